@@ -1,0 +1,1 @@
+"""kvcert: randomized KV-cache eviction with Hajek correction and per-step error certificates."""
