@@ -1,0 +1,165 @@
+"""The kvcert attention function, registered through ``transformers.AttentionInterface``.
+
+The model's attention modules call it with post-RoPE queries and the slots the ``CompressedCache`` layer
+returned; the cache itself arrives as the ``kvcert_cache`` keyword that ``model(...)`` / ``generate(...)``
+forward to attention functions. Query heads are grouped by KV head (GQA) without repeating keys:
+queries (batch, q_heads, m, d) become (batch, kv_heads, group·m, d).
+
+Modes, by the layer's state:
+* prefill (the layer observes): causal attention; record the window queries and accumulated attention;
+* full cache: causal attention over all slots;
+* compressed: attention with the Hájek offset −log π; when the cache certifies (or is an oracle), the
+  estimator of ``kvcert.estimator`` runs in float32 and appends a ``StepRecord`` per call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from .cache import CompressedCache, CompressedLayer, StepRecord
+from .estimator import hajek_with_bias, offset_bias, tail_weight
+
+ATTENTION_NAME = "kvcert"
+CACHE_KWARG = "kvcert_cache"
+WALD_Z = 1.959963984540054
+_H2O_CHUNK = 256
+
+
+def _allowed(k_pos: torch.Tensor, q_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Causal (and sliding-window) visibility: k_pos (..., n), q_pos (..., m) -> (..., m, n) bool."""
+    allowed = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)
+    if sliding_window is not None:
+        allowed &= k_pos.unsqueeze(-2) > q_pos.unsqueeze(-1) - sliding_window
+    return allowed
+
+
+def _mask_bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
+def _group(bias: torch.Tensor, group: int) -> torch.Tensor:
+    """(b, kv_heads, m, n) -> (b, kv_heads, group·m, n), matching grouped queries; m = 1 broadcasts."""
+    if bias.shape[-2] == 1:
+        return bias
+    b, h, m, n = bias.shape
+    return bias.unsqueeze(2).expand(b, h, group, m, n).reshape(b, h, group * m, n)
+
+
+def _observe(layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, scale: float, sliding: int | None):
+    """Record the last window queries and, if asked, the attention each key received during prefill."""
+    obs = layer.observation
+    queries = query.detach()
+    if obs.window_queries is not None:
+        queries = torch.cat([obs.window_queries, queries], dim=-2)
+    obs.window_queries = queries[..., -obs.window :, :].clone()
+    if not obs.accumulate:
+        return
+    b, hq, m, _ = query.shape
+    n = key.shape[-2]
+    keys = key.detach().float().repeat_interleave(hq // key.shape[1], dim=1)
+    k_pos = layer.positions[0, 0]
+    q_pos_all = k_pos[-m:]
+    total = torch.zeros((b, hq, n), dtype=torch.float32, device=key.device)
+    for start in range(0, m, _H2O_CHUNK):
+        q = query[..., start : start + _H2O_CHUNK, :].detach().float()
+        logits = torch.matmul(q, keys.transpose(-1, -2)) * scale
+        allowed = _allowed(k_pos, q_pos_all[start : start + _H2O_CHUNK], sliding)
+        total += torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).sum(-2)
+    if obs.accumulated_attention is not None:
+        total[..., : obs.accumulated_attention.shape[-1]] += obs.accumulated_attention
+    obs.accumulated_attention = total
+
+
+def _record(cache, layer, layer_idx, q_pos, out, var, full_out, group, m):
+    """Append a StepRecord: per KV head, the group's query-head outputs form one vector."""
+    b, h = out.shape[:2]
+    dv = out.shape[-1]
+    shaped = lambda t: t.reshape(b, h, group, m, dv)  # noqa: E731
+    o = shaped(out)
+    record = StepRecord(
+        layer=layer_idx,
+        first_step=int(q_pos[0, 0, 0]) - cache.compressed_length,
+        trace_var=shaped(var).sum(dim=(2, 4)).float(),
+        out_norm=o.square().sum(dim=(2, 4)).sqrt().float(),
+    )
+    if full_out is not None:
+        err = o - shaped(full_out)
+        record.true_err = err.square().sum(dim=(2, 4)).sqrt().float()
+        record.wald_coverage = (err.abs() <= WALD_Z * shaped(var).sqrt()).float().mean(dim=(2, 4))
+    cache.records.append(record)
+
+
+def kvcert_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention over a ``CompressedCache`` layer.
+
+    query: (batch, q_heads, m, d); key/value: (batch, kv_heads, slots, d) as returned by the cache layer.
+    Returns (batch, m, q_heads, d) in the query dtype, and no attention weights.
+    """
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("kvcert attention does not support attention logit soft-capping")
+    b, hq, m, d = query.shape
+    hk = key.shape[1]
+    group = hq // hk
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(d)
+    cache = kwargs.get(CACHE_KWARG)
+    layer = cache.layers[module.layer_idx] if isinstance(cache, CompressedCache) else None
+    sliding = kwargs.get("sliding_window")
+    if layer is None:
+        # No kvcert cache: plain causal attention over whatever the model's own cache returned.
+        n = key.shape[-2]
+        k_pos = torch.arange(n, device=key.device)
+        bias = _mask_bias(_allowed(k_pos, k_pos[n - m :], sliding), query.dtype)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    if layer.observation is not None:
+        layer.sliding_window, layer.scale = sliding, scale
+        _observe(layer, query, key, scale, sliding)
+
+    q_pos = layer.positions[..., -m:]  # (b, kv_heads, m)
+    bias = None
+    if m > 1 or sliding is not None:
+        bias = _mask_bias(_allowed(layer.positions, q_pos, sliding), torch.float32)
+    if layer.compressed:
+        offset = offset_bias(layer.log_pi).unsqueeze(-2)
+        bias = offset if bias is None else bias + offset
+    grouped_q = query.reshape(b, hk, group * m, d)
+    grouped_bias = _group(bias, group) if bias is not None else None
+
+    if layer.compressed and (cache.certify or cache.oracle):
+        one_minus_pi = tail_weight(layer.log_pi).unsqueeze(-2) if layer.has_tail else torch.zeros(1)
+        out, var = hajek_with_bias(grouped_q, key, value, grouped_bias, one_minus_pi, scale)
+        full_out = None
+        if cache.oracle and layer.full_keys is not None:
+            n_full = layer.full_keys.shape[-2]
+            full_pos = torch.arange(n_full, device=key.device)
+            full_bias = _group(_mask_bias(_allowed(full_pos, q_pos, sliding), torch.float32), group)
+            full_out, _ = hajek_with_bias(grouped_q, layer.full_keys, layer.full_values, full_bias, None, scale)
+        _record(cache, layer, module.layer_idx, q_pos, out, var, full_out, group, m)
+    elif grouped_bias is None and m > 1:
+        out = F.scaled_dot_product_attention(grouped_q, key, value, is_causal=True, scale=scale)
+    else:
+        mask = grouped_bias.to(query.dtype) if grouped_bias is not None else None
+        out = F.scaled_dot_product_attention(grouped_q, key, value, attn_mask=mask, scale=scale)
+    out = out.to(query.dtype).reshape(b, hq, m, -1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def prepare_model(model):
+    """Register the kvcert attention function and switch ``model`` to it; returns the model."""
+    AttentionInterface.register(ATTENTION_NAME, kvcert_attention)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model

@@ -1,0 +1,109 @@
+"""Designs: how a policy's scores become a retained set per layer and KV head.
+
+``topk`` keeps the sinks, the recent window and the top of the score ranking (deterministic eviction).
+``poisson`` keeps a certainty head with π = 1 and Poisson-samples the tail with known π; the retained
+tokens carry log π so that attention can apply the Hájek offset −log π.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .sampling import (
+    DEFAULT_HEAD_FRACTION,
+    DEFAULT_N_RECENT,
+    DEFAULT_N_SINK,
+    DEFAULT_PI_MIN,
+    budget_tokens,
+    certain_mask,
+    inclusion_probabilities,
+    poisson_sample,
+)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Retained slots of one layer.
+
+    index: (batch, kv_heads, k) long, positions into the prefix, ascending among valid slots;
+    log_pi: (batch, kv_heads, k) float32: 0 certain, log π sampled, −inf padding (rows differ in count).
+    """
+
+    index: torch.Tensor
+    log_pi: torch.Tensor
+
+    @property
+    def retained(self) -> torch.Tensor:
+        """(batch, kv_heads) number of retained (non-padding) slots."""
+        return torch.isfinite(self.log_pi).sum(-1)
+
+
+@dataclass(frozen=True)
+class DesignOptions:
+    """Knobs shared by the designs (see ``inclusion_probabilities``)."""
+
+    n_sink: int = DEFAULT_N_SINK
+    n_recent: int = DEFAULT_N_RECENT
+    head_fraction: float = DEFAULT_HEAD_FRACTION
+    pi_min: float = DEFAULT_PI_MIN
+
+
+def _pack(keep: torch.Tensor, log_pi_full: torch.Tensor) -> Selection:
+    """Move kept positions (ascending) to the front of each row; pad to the longest row with −inf."""
+    n = keep.shape[-1]
+    positions = torch.arange(n, device=keep.device).expand_as(keep)
+    # Kept slots sort before dropped ones; within each group, by position.
+    order = torch.argsort(torch.where(keep, positions, positions + n), dim=-1)
+    counts = keep.sum(-1)
+    k_max = int(counts.max())
+    index = order[..., :k_max]
+    valid = torch.arange(k_max, device=keep.device) < counts.unsqueeze(-1)
+    log_pi = torch.where(valid, log_pi_full.gather(-1, index), torch.full_like(index, float("-inf"), dtype=torch.float32))
+    return Selection(index=index, log_pi=log_pi.to(torch.float32))
+
+
+def topk_design(scores: torch.Tensor, budget: float, options: DesignOptions, generator=None, certain_top_slice=True):
+    """Keep sinks, recent window and the highest scores up to round(budget·n) tokens; π = 1 everywhere.
+
+    scores: (batch, kv_heads, n); ties are broken by a seeded random jitter.
+    """
+    n = scores.shape[-1]
+    count = budget_tokens(budget, n, options.n_sink, options.n_recent)
+    certain = certain_mask(n, options.n_sink, options.n_recent, scores.device).expand_as(scores)
+    jitter = torch.rand(scores.shape, generator=generator, dtype=torch.float64).to(scores.device)
+    ranked = scores.to(torch.float64) + 1e-9 * jitter * scores.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    ranked = torch.where(certain, torch.full_like(ranked, float("inf")), ranked)
+    keep = torch.zeros_like(certain)
+    keep.scatter_(-1, torch.topk(ranked, count, dim=-1).indices, True)
+    return _pack(keep, torch.zeros(scores.shape, dtype=torch.float32, device=scores.device))
+
+
+def poisson_design(scores: torch.Tensor, budget: float, options: DesignOptions, generator=None, certain_top_slice=True):
+    """Certain head with π = 1, Poisson tail with π ∝ score; Σπ = round(budget·n) per KV head.
+
+    scores: (batch, kv_heads, n) non-negative importance.
+    """
+    n = scores.shape[-1]
+    count = budget_tokens(budget, n, options.n_sink, options.n_recent)
+    pi = inclusion_probabilities(
+        scores,
+        count,
+        n_sink=options.n_sink,
+        n_recent=options.n_recent,
+        head_fraction=options.head_fraction if certain_top_slice else 0.0,
+        pi_min=options.pi_min,
+    )
+    keep = poisson_sample(pi.cpu(), generator).to(scores.device)
+    return _pack(keep, torch.log(pi))
+
+
+DESIGNS: dict[str, Callable[..., Selection]] = {"topk": topk_design, "poisson": poisson_design}
+
+
+def get_design(name: str) -> Callable[..., Selection]:
+    if name not in DESIGNS:
+        raise ValueError(f"design={name!r} is unknown; known: {sorted(DESIGNS)}")
+    return DESIGNS[name]

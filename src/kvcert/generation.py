@@ -1,0 +1,321 @@
+"""Generation on a compressed cache: one shared prefill, then any number of configurations.
+
+``prefill`` runs the model once over the prefix (context + question in the question-aware setting, the
+context alone in the streaming setting) and keeps what the policies need. ``select`` turns a policy,
+a design, a budget and a seed into retained sets; ``decode`` generates greedily on a cache derived from
+the prefill (the prefill itself is never modified, so every configuration starts from the same state).
+``generate`` chains the three for one prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .attention import CACHE_KWARG, prepare_model
+from .cache import CompressedCache
+from .designs import DesignOptions, Selection, get_design
+from .policies import LayerView, get_policy
+
+SETTINGS = ("question_aware", "streaming")
+FULL = "full"
+DEFAULT_WINDOW = 16
+DEFAULT_DELTA = 0.05
+
+STEP_COLUMNS = [
+    "step", "layer", "kv_head", "trace_var", "cert", "true_err", "rel_cert", "rel_err", "coverage", "wald_coverage",
+]
+
+
+def check_setting(setting: str) -> str:
+    if setting not in SETTINGS:
+        raise ValueError(f"setting={setting!r} is unknown; known: {list(SETTINGS)}")
+    return setting
+
+
+@dataclass
+class Prefill:
+    """The shared state of one prompt.
+
+    cache: the prefix's cache (observing layers); prefix_ids: (1, n) prefilled tokens; suffix_ids: (1, s)
+    tokens fed after compression (the question in the streaming setting; empty otherwise);
+    last_logits: (1, vocab) float32 logits after the prefix.
+    """
+
+    cache: CompressedCache
+    prefix_ids: torch.Tensor
+    suffix_ids: torch.Tensor
+    last_logits: torch.Tensor
+    setting: str
+    _scores: dict = field(default_factory=dict)
+
+    @property
+    def context_tokens(self) -> int:
+        return self.prefix_ids.shape[-1]
+
+    def layer_views(self) -> list[LayerView]:
+        views = []
+        for layer in self.cache.layers:
+            obs = layer.observation
+            views.append(
+                LayerView(
+                    keys=layer.keys,
+                    values=layer.values,
+                    window_queries=obs.window_queries,
+                    accumulated_attention=obs.accumulated_attention,
+                    scale=layer.scale,
+                    sliding_window=layer.sliding_window,
+                )
+            )
+        return views
+
+    def scores(self, policy_name: str) -> list[torch.Tensor]:
+        """Per-layer scores (batch, kv_heads, n) of a policy, computed once per prefill."""
+        if policy_name not in self._scores:
+            policy = get_policy(policy_name)
+            self._scores[policy_name] = [policy.score(view) for view in self.layer_views()]
+        return self._scores[policy_name]
+
+
+@torch.no_grad()
+def prefill(
+    model,
+    prefix_ids: torch.Tensor,
+    suffix_ids: torch.Tensor | None = None,
+    *,
+    setting: str = "question_aware",
+    window: int = DEFAULT_WINDOW,
+    accumulate: bool = False,
+) -> Prefill:
+    """Run the model over ``prefix_ids`` (1, n) once, recording what the scoring policies need.
+
+    accumulate: also collect each key's accumulated attention (needed by h2o; one more O(n²) pass).
+    """
+    check_setting(setting)
+    prepare_model(model)
+    if prefix_ids.ndim != 2 or prefix_ids.shape[0] != 1:
+        raise ValueError(f"prefix_ids must be (1, n); got {tuple(prefix_ids.shape)}")
+    if prefix_ids.shape[-1] == 0:
+        raise ValueError("the prefix is empty: nothing to prefill")
+    device = next(model.parameters()).device
+    prefix_ids = prefix_ids.to(device)
+    suffix_ids = (suffix_ids if suffix_ids is not None else prefix_ids[:, :0]).to(device)
+    n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    cache = CompressedCache.for_prefill(n_layers, window=window, accumulate=accumulate)
+    out = model(input_ids=prefix_ids, cache=cache, use_cache=True, **{CACHE_KWARG: cache})
+    return Prefill(cache, prefix_ids, suffix_ids, out.logits[:, -1].float(), setting)
+
+
+def select(
+    state: Prefill,
+    policy: str,
+    design: str,
+    budget: float,
+    seed: int = 0,
+    options: DesignOptions = DesignOptions(),
+) -> list[Selection]:
+    """Retained sets per layer for one configuration; seeds make Poisson draws reproducible."""
+    design_fn = get_design(design)
+    certain_top_slice = get_policy(policy).certain_top_slice
+    generator = torch.Generator().manual_seed(int(seed))
+    return [
+        design_fn(scores, budget, options, generator=generator, certain_top_slice=certain_top_slice)
+        for scores in state.scores(policy)
+    ]
+
+
+@dataclass
+class Decoded:
+    """What one configuration produced.
+
+    token_ids: generated ids; logprobs: log-probability of each generated token (greedy);
+    steps: one row per (step, layer, kv_head) over compressed attention (empty for the full cache);
+    retained_tokens: mean retained prefix slots per layer and KV head; cache_bytes / full_bytes: bytes
+    of the compressed cache and of the full cache after the prefill.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    steps: pd.DataFrame
+    retained_tokens: float
+    cache_bytes: int
+    full_bytes: int
+    text: str = ""
+
+
+def _steps_frame(cache: CompressedCache, delta: float, randomized: bool) -> pd.DataFrame:
+    """Flatten the cache's StepRecords (batch 1) into STEP_COLUMNS."""
+    if not cache.records:
+        return pd.DataFrame({c: pd.Series(dtype="float64") for c in STEP_COLUMNS})
+    parts = []
+    for rec in cache.records:
+        h, m = rec.trace_var.shape[1:]
+        trace = rec.trace_var[0].cpu().double().numpy()  # (h, m)
+        norm = rec.out_norm[0].cpu().double().numpy()
+        err = rec.true_err[0].cpu().double().numpy() if rec.true_err is not None else np.full((h, m), np.nan)
+        wald = rec.wald_coverage[0].cpu().double().numpy() if rec.wald_coverage is not None else np.full((h, m), np.nan)
+        cert = np.sqrt(trace / delta) if randomized else np.full((h, m), np.nan)
+        heads, steps = np.meshgrid(np.arange(h), rec.first_step + np.arange(m), indexing="ij")
+        parts.append(
+            {
+                "step": steps.ravel(),
+                "layer": np.full(h * m, rec.layer),
+                "kv_head": heads.ravel(),
+                "trace_var": trace.ravel(),
+                "cert": cert.ravel(),
+                "true_err": err.ravel(),
+                "out_norm": norm.ravel(),
+                "wald_coverage": wald.ravel() if randomized else np.full(h * m, np.nan),
+            }
+        )
+    frame = pd.DataFrame({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+    safe_norm = frame["out_norm"].where(frame["out_norm"] > 0)
+    frame["rel_cert"] = frame["cert"] / safe_norm
+    frame["rel_err"] = frame["true_err"] / safe_norm
+    valid = frame["cert"].notna() & frame["true_err"].notna()
+    frame["coverage"] = np.where(valid, (frame["true_err"] <= frame["cert"]).astype(float), np.nan)
+    frame = frame.sort_values(["step", "layer", "kv_head"], kind="stable").reset_index(drop=True)
+    return frame[STEP_COLUMNS]
+
+
+def eos_ids(model, tokenizer=None) -> set[int]:
+    ids = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+    return ids
+
+
+@torch.no_grad()
+def decode(
+    model,
+    state: Prefill,
+    selections: list[Selection] | None,
+    *,
+    max_new_tokens: int = 16,
+    stop_ids: set[int] | None = None,
+    certify: bool = True,
+    oracle: bool = False,
+    delta: float = DEFAULT_DELTA,
+    randomized: bool | None = None,
+) -> Decoded:
+    """Greedy generation on a cache derived from ``state`` (``selections`` None: the full cache).
+
+    In the streaming setting the suffix (question) is fed first, attending to the compressed cache; its
+    positions carry certificates like generated tokens do. randomized: whether the design has a
+    certificate (defaults to: some layer has a Poisson tail).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    cache = state.cache.derive(selections, certify=certify and selections is not None, oracle=oracle and selections is not None)
+    if randomized is None:
+        randomized = any(layer.has_tail for layer in cache.layers)
+    kwargs = {CACHE_KWARG: cache, "cache": cache, "use_cache": True}
+    if state.suffix_ids.shape[-1] > 0:
+        logits = model(input_ids=state.suffix_ids, **kwargs).logits[:, -1].float()
+    else:
+        logits = state.last_logits
+    stop_ids = stop_ids or set()
+    tokens, logprobs = [], []
+    for step in range(max_new_tokens):
+        log_probs = torch.log_softmax(logits[0], dim=-1)
+        token = int(torch.argmax(log_probs))
+        tokens.append(token)
+        logprobs.append(float(log_probs[token]))
+        if token in stop_ids or step == max_new_tokens - 1:
+            break
+        next_ids = torch.tensor([[token]], device=state.prefix_ids.device)
+        logits = model(input_ids=next_ids, **kwargs).logits[:, -1].float()
+    prefix_slots = [torch.isfinite(layer.log_pi[..., : _n_prefix_slots(layer, state)]).sum(-1).float().mean() for layer in cache.layers]
+    return Decoded(
+        token_ids=tokens,
+        logprobs=logprobs,
+        steps=_steps_frame(cache, delta, randomized),
+        retained_tokens=float(torch.stack(prefix_slots).mean()),
+        cache_bytes=_prefix_bytes(cache, state),
+        full_bytes=_prefix_bytes(state.cache.derive(None), state),
+    )
+
+
+def _n_prefix_slots(layer, state: Prefill) -> int:
+    """Slots that hold prefix tokens: all but those appended after compression."""
+    appended = layer.length - state.context_tokens
+    return layer.keys.shape[-2] - appended
+
+
+def _prefix_bytes(cache: CompressedCache, state: Prefill) -> int:
+    """Bytes of the prefix slots (keys, values, log π, positions) summed over layers."""
+    total = 0
+    for layer in cache.layers:
+        k = _n_prefix_slots(layer, state)
+        for t in (layer.keys, layer.values, layer.log_pi, layer.positions):
+            slot_dim = -2 if t.ndim == 4 else -1
+            total += t.narrow(slot_dim, 0, k).numel() * t.element_size()
+    return total
+
+
+@dataclass
+class GenerationResult(Decoded):
+    """``Decoded`` plus the prompt's token counts and the configuration that produced it."""
+
+    policy: str = FULL
+    design: str = FULL
+    budget: float = 1.0
+    seed: int = 0
+    setting: str = "question_aware"
+    context_tokens: int = 0
+
+
+def tokenize_prompt(tokenizer, context: str, question: str, setting: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prefix_ids, suffix_ids), each (1, ·): the context gets the tokenizer's special tokens."""
+    check_setting(setting)
+    context_ids = tokenizer(context, add_special_tokens=True, return_tensors="pt").input_ids
+    question_ids = tokenizer(question, add_special_tokens=False, return_tensors="pt").input_ids
+    if setting == "question_aware":
+        return torch.cat([context_ids, question_ids], dim=-1), question_ids[:, :0]
+    return context_ids, question_ids
+
+
+def generate(
+    model,
+    tokenizer,
+    *,
+    context: str,
+    question: str,
+    policy: str = "snapkv",
+    design: str = "poisson",
+    budget: float = 0.25,
+    setting: str = "question_aware",
+    seed: int = 0,
+    oracle: bool = True,
+    certify: bool = True,
+    max_new_tokens: int = 16,
+    delta: float = DEFAULT_DELTA,
+    window: int = DEFAULT_WINDOW,
+    options: DesignOptions = DesignOptions(),
+) -> GenerationResult:
+    """Generate an answer to ``question`` about ``context`` on a compressed cache, with certificates.
+
+    policy/design: registered names (``policy="full"`` keeps the whole cache); budget: retained fraction
+    of the prefix in (0, 1]; setting: ``question_aware`` (compress after context + question) or
+    ``streaming`` (compress the context; question and answer attend to the compressed cache).
+    """
+    prefix_ids, suffix_ids = tokenize_prompt(tokenizer, context, question, setting)
+    full = policy == FULL
+    needs_acc = (not full) and get_policy(policy).needs_accumulated_attention
+    state = prefill(model, prefix_ids, suffix_ids, setting=setting, window=window, accumulate=needs_acc)
+    selections = None if full else select(state, policy, design, budget, seed, options)
+    decoded = decode(
+        model, state, selections, max_new_tokens=max_new_tokens, stop_ids=eos_ids(model, tokenizer),
+        certify=certify, oracle=oracle, delta=delta, randomized=(not full and design == "poisson"),
+    )
+    fields = {k: getattr(decoded, k) for k in Decoded.__dataclass_fields__}
+    fields["text"] = tokenizer.decode(decoded.token_ids, skip_special_tokens=True)
+    return GenerationResult(
+        **fields, policy=policy, design=FULL if full else design, budget=1.0 if full else budget, seed=seed,
+        setting=setting, context_tokens=state.context_tokens,
+    )

@@ -1,0 +1,90 @@
+"""What a scoring policy sees, and the registry of policies by name.
+
+A policy turns what the prefill observed in one layer into an importance score per cached token and KV
+head, (batch, kv_heads, n); larger is more important. Scores of the query heads that share a KV head
+(GQA) are averaged, so each KV head gets one retained set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerView:
+    """One layer's prefill state, as the policies read it.
+
+    keys, values: (batch, kv_heads, n, head_dim) post-RoPE keys and values of the prefix;
+    window_queries: (batch, q_heads, w, head_dim) post-RoPE queries of the last w prefix positions;
+    accumulated_attention: (batch, q_heads, n) column sums of the prefill attention, or None when not
+    collected; scale: the attention scale of the layer; sliding_window: the layer's window or None.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    window_queries: torch.Tensor
+    accumulated_attention: torch.Tensor | None
+    scale: float
+    sliding_window: int | None = None
+
+    @property
+    def n(self) -> int:
+        return self.keys.shape[-2]
+
+    @property
+    def group_size(self) -> int:
+        return self.window_queries.shape[1] // self.keys.shape[1]
+
+    def group_mean(self, per_query_head: torch.Tensor) -> torch.Tensor:
+        """(batch, q_heads, n) -> (batch, kv_heads, n), averaging the query heads of each KV head."""
+        b, hq, n = per_query_head.shape
+        return per_query_head.reshape(b, hq // self.group_size, self.group_size, n).mean(2)
+
+    def window_attention(self) -> torch.Tensor:
+        """Causal softmax attention of the window queries over all keys: (batch, q_heads, w, n), float32."""
+        b, hq, w, d = self.window_queries.shape
+        keys = self.keys.float().repeat_interleave(self.group_size, dim=1)
+        logits = torch.matmul(self.window_queries.float(), keys.transpose(-1, -2)) * self.scale
+        q_pos = torch.arange(self.n - w, self.n, device=keys.device).unsqueeze(-1)
+        k_pos = torch.arange(self.n, device=keys.device)
+        allowed = k_pos <= q_pos
+        if self.sliding_window is not None:
+            allowed &= k_pos > q_pos - self.sliding_window
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        return torch.softmax(logits, dim=-1)
+
+
+class Policy(Protocol):
+    """A scoring policy: ``score(view) -> (batch, kv_heads, n)`` non-negative importance."""
+
+    name: str
+    needs_accumulated_attention: bool
+    certain_top_slice: bool  # False: the randomized design samples every non-sink, non-recent token
+
+    def score(self, view: LayerView, generator: torch.Generator | None = None) -> torch.Tensor: ...
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {}
+
+
+def register_policy(name: str):
+    """Class decorator adding a policy to the registry under ``name``."""
+
+    def wrap(cls):
+        cls.name = name
+        if not hasattr(cls, "certain_top_slice"):
+            cls.certain_top_slice = True
+        POLICIES[name] = cls
+        return cls
+
+    return wrap
+
+
+def get_policy(name: str, **options) -> Policy:
+    """Instantiate a registered policy by name; unknown names raise a one-line ValueError."""
+    if name not in POLICIES:
+        raise ValueError(f"policy={name!r} is unknown; known: {sorted(POLICIES)}")
+    return POLICIES[name](**options)

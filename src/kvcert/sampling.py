@@ -1,0 +1,123 @@
+"""Inclusion probabilities for the randomized design, and Poisson sampling (DESIGN §1).
+
+A row of n cached tokens is split into a certainty head (π = 1: attention sinks, the most recent window
+and a top slice of the score ranking) and a tail whose tokens are kept independently with π ∝ score,
+capped at 1 and floored at ``pi_min``, scaled so that Σπ over the row equals the budget.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_N_SINK = 4
+DEFAULT_N_RECENT = 32
+DEFAULT_HEAD_FRACTION = 0.5
+DEFAULT_PI_MIN = 1e-3
+
+
+def certain_mask(n: int, n_sink: int, n_recent: int, device=None) -> torch.Tensor:
+    """(n,) bool: the first n_sink and the last n_recent positions."""
+    pos = torch.arange(n, device=device)
+    return (pos < n_sink) | (pos >= n - n_recent)
+
+
+def minimum_budget(n: int, n_sink: int = DEFAULT_N_SINK, n_recent: int = DEFAULT_N_RECENT) -> int:
+    """The smallest retained count a design allows: the sinks plus the recent window (or n)."""
+    return min(n, n_sink + n_recent)
+
+
+def budget_tokens(fraction: float, n: int, n_sink: int = DEFAULT_N_SINK, n_recent: int = DEFAULT_N_RECENT) -> int:
+    """Expected retained tokens for a budget fraction of n, raised to the sinks+recent minimum (never 0)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"budget={fraction} must lie in (0, 1]")
+    return max(minimum_budget(n, n_sink, n_recent), min(n, round(fraction * n)))
+
+
+def _water_fill(scores: torch.Tensor, tail: torch.Tensor, target: torch.Tensor, pi_min: float) -> torch.Tensor:
+    """π = clip(c·score, pi_min, 1) on tail slots with Σ_tail π = target per row (bisection on log c).
+
+    scores: (R, n) float64 >= 0; tail: (R, n) bool; target: (R,) float64 with
+    pi_min·|tail| <= target <= |tail|. Returns (R, n) float64, zero off the tail.
+    """
+    # Strictly positive scores make Σ clip(c·s) continuous and strictly increasing up to |tail|.
+    row_max = torch.where(tail, scores, torch.zeros_like(scores)).amax(-1, keepdim=True)
+    s = scores.clamp_min(0.0) + 1e-9 * row_max + 1e-300
+    s = torch.where(tail, s, torch.zeros_like(s))
+    positive = torch.where(tail, s, torch.full_like(s, float("inf")))
+    lo = torch.log(torch.full_like(target, 1e-300)) - torch.log(s.amax(-1).clamp_min(1e-300))
+    hi = -torch.log(positive.amin(-1))  # c·min(s) = 1: everything capped
+    lo, hi = lo.clone(), hi.clone() + 1.0
+
+    def total(log_c: torch.Tensor) -> torch.Tensor:
+        pi = (s * torch.exp(log_c).unsqueeze(-1)).clamp(pi_min, 1.0)
+        return torch.where(tail, pi, torch.zeros_like(pi)).sum(-1)
+
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        below = total(mid) < target
+        lo = torch.where(below, mid, lo)
+        hi = torch.where(below, hi, mid)
+    pi = (s * torch.exp(hi).unsqueeze(-1)).clamp(pi_min, 1.0)
+    return torch.where(tail, pi, torch.zeros_like(pi))
+
+
+def inclusion_probabilities(
+    scores: torch.Tensor,
+    budget: float,
+    *,
+    n_sink: int = DEFAULT_N_SINK,
+    n_recent: int = DEFAULT_N_RECENT,
+    head_fraction: float = DEFAULT_HEAD_FRACTION,
+    pi_min: float = DEFAULT_PI_MIN,
+) -> torch.Tensor:
+    """Inclusion probabilities π for the randomized design.
+
+    scores: (..., n) importance scores, larger = more important (negative values count as 0).
+    budget: expected retained tokens per row (a count, not a fraction); raised to n_sink + n_recent.
+    π = 1 on the first n_sink and last n_recent tokens and on the top ``head_fraction`` of the remaining
+    budget by score; the other (tail) tokens get π ∝ score, capped at 1, floored at pi_min, with Σπ over
+    the row equal to the budget. If the floor alone would exceed the tail budget, the tail is uniform at
+    budget/|tail|. budget >= n gives all ones. Returns (..., n) float32 in (0, 1].
+    """
+    if scores.ndim == 0:
+        raise ValueError("scores must have at least one dimension (..., n)")
+    if bool(torch.isnan(scores).any()):
+        raise ValueError("scores contain NaN")
+    if not 0.0 <= head_fraction <= 1.0:
+        raise ValueError(f"head_fraction={head_fraction} must lie in [0, 1]")
+    if not 0.0 < pi_min <= 1.0:
+        raise ValueError(f"pi_min={pi_min} must lie in (0, 1]")
+    n = scores.shape[-1]
+    budget = max(float(budget), float(minimum_budget(n, n_sink, n_recent)))
+    if budget >= n:
+        return torch.ones_like(scores, dtype=torch.float32)
+
+    flat = scores.reshape(-1, n).to(torch.float64)
+    rows = flat.shape[0]
+    certain = certain_mask(n, n_sink, n_recent, scores.device).expand(rows, n)
+    n_certain = int(certain[0].sum())
+    n_top = int(head_fraction * (budget - n_certain))
+    # Top slice by score among the non-certain tokens (ties broken by position, deterministically).
+    ranked = torch.where(certain, torch.full_like(flat, float("-inf")), flat)
+    top = torch.zeros_like(certain)
+    if n_top > 0:
+        idx = torch.topk(ranked, n_top, dim=-1, sorted=False).indices
+        top.scatter_(-1, idx, True)
+    head = certain | top
+    tail = ~head
+    n_tail = float(n - n_certain - n_top)
+    target = torch.full((rows,), budget - n_certain - n_top, dtype=torch.float64, device=scores.device)
+    if pi_min * n_tail >= float(target[0]):
+        pi_tail = torch.where(tail, target.unsqueeze(-1) / n_tail, torch.zeros_like(flat))
+    else:
+        pi_tail = _water_fill(flat, tail, target, pi_min)
+    pi = torch.where(head, torch.ones_like(flat), pi_tail)
+    return pi.to(torch.float32).reshape(scores.shape)
+
+
+def poisson_sample(pi: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Independent Bernoulli(π_i) draws: (..., n) float in [0, 1] -> (..., n) bool (π = 1 always kept)."""
+    if bool(((pi < 0) | (pi > 1) | torch.isnan(pi)).any()):
+        raise ValueError("inclusion probabilities must lie in [0, 1]")
+    u = torch.rand(pi.shape, generator=generator, device=pi.device, dtype=torch.float64)
+    return u < pi.to(torch.float64)
