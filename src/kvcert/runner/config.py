@@ -1,0 +1,145 @@
+"""Validation of a cell's configuration: every bad key gets one line naming it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..designs import DESIGNS, DesignOptions
+from ..generation import FULL, SETTINGS
+from ..policies import POLICIES
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be run; the message names the key and the value."""
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One compared configuration of a cell (the full cache has policy == design == "full")."""
+
+    policy: str
+    design: str
+    budget: float
+    seed: int
+
+    @property
+    def is_full(self) -> bool:
+        return self.policy == FULL
+
+
+@dataclass(frozen=True)
+class CellConfig:
+    """The validated knobs of one cell (see configs/run.yaml for their meaning)."""
+
+    policies: tuple[str, ...]
+    designs: tuple[str, ...]
+    budgets: tuple[float, ...]
+    seeds: tuple[int, ...]
+    setting: str
+    n_items: int
+    shard: int
+    n_shards: int
+    oracle: bool
+    certify: bool
+    delta: float
+    window: int
+    options: DesignOptions
+    max_context_tokens: int | None
+    truncate: str
+
+    def configurations(self) -> list[Configuration]:
+        """The full cache first, then policy × design × budget × seed (deterministic designs once)."""
+        out = [Configuration(FULL, FULL, 1.0, 0)]
+        for policy in self.policies:
+            for design in self.designs:
+                seeds = self.seeds if design == "poisson" else (0,)
+                for budget in self.budgets:
+                    out.extend(Configuration(policy, design, budget, seed) for seed in seeds)
+        return out
+
+
+def _names(cfg: Mapping[str, Any], key: str, known) -> tuple[str, ...]:
+    values = cfg.get(key)
+    if values is None or isinstance(values, str) or len(values) == 0:
+        raise ConfigError(f"{key}={values!r}: expected a non-empty list, e.g. {key}=[{sorted(known)[0]}]")
+    for value in values:
+        if value not in known:
+            raise ConfigError(f"{key}: {value!r} is unknown; known: {sorted(known)}")
+    return tuple(str(v) for v in values)
+
+
+def _number(cfg, key, kind, low=None, high=None, low_open=False):
+    value = cfg.get(key)
+    try:
+        if isinstance(value, bool) or value is None:
+            raise TypeError
+        value = kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={cfg.get(key)!r}: expected {kind.__name__}") from None
+    if low is not None and (value <= low if low_open else value < low):
+        raise ConfigError(f"{key}={value}: must be {'>' if low_open else '>='} {low}")
+    if high is not None and value > high:
+        raise ConfigError(f"{key}={value}: must be <= {high}")
+    return value
+
+
+def validate(cfg: Mapping[str, Any]) -> CellConfig:
+    """Check a resolved run config; raises ConfigError naming the first bad key."""
+    budgets = cfg.get("budgets")
+    if budgets is None or isinstance(budgets, (str, int, float)) or len(budgets) == 0:
+        raise ConfigError(f"budgets={budgets!r}: expected a non-empty list of fractions in (0, 1]")
+    checked_budgets = []
+    for b in budgets:
+        try:
+            b = float(b)
+        except (TypeError, ValueError):
+            raise ConfigError(f"budgets: {b!r} is not a number") from None
+        if not 0.0 < b <= 1.0:
+            raise ConfigError(f"budgets: {b} is outside (0, 1]")
+        checked_budgets.append(b)
+    seeds = cfg.get("seeds")
+    if seeds is None or isinstance(seeds, (str, int)) or len(seeds) == 0:
+        raise ConfigError(f"seeds={seeds!r}: expected a non-empty list of integers")
+    for s in seeds:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ConfigError(f"seeds: {s!r} is not an integer")
+    setting = cfg.get("setting")
+    if setting not in SETTINGS:
+        raise ConfigError(f"setting={setting!r} is unknown; known: {list(SETTINGS)}")
+    n_shards = _number(cfg, "n_shards", int, low=1)
+    shard = _number(cfg, "shard", int, low=0)
+    if shard >= n_shards:
+        raise ConfigError(f"shard={shard}: must be < n_shards={n_shards}")
+    truncate = cfg.get("truncate")
+    if truncate not in ("middle", "error"):
+        raise ConfigError(f"truncate={truncate!r} is unknown; known: ['middle', 'error']")
+    max_ctx = cfg.get("max_context_tokens")
+    opts = cfg.get("design_options") or {}
+    try:
+        options = DesignOptions(**dict(opts))
+    except TypeError as err:
+        raise ConfigError(f"design_options: {err}") from None
+    if not 0.0 < options.pi_min <= 1.0:
+        raise ConfigError(f"design_options.pi_min={options.pi_min}: must lie in (0, 1]")
+    if not 0.0 <= options.head_fraction <= 1.0:
+        raise ConfigError(f"design_options.head_fraction={options.head_fraction}: must lie in [0, 1]")
+    if options.n_sink < 0 or options.n_recent < 1:
+        raise ConfigError("design_options: n_sink must be >= 0 and n_recent >= 1")
+    return CellConfig(
+        policies=_names(cfg, "policies", set(POLICIES)),
+        designs=_names(cfg, "designs", set(DESIGNS)),
+        budgets=tuple(checked_budgets),
+        seeds=tuple(int(s) for s in seeds),
+        setting=setting,
+        n_items=_number(cfg, "n_items", int, low=1),
+        shard=shard,
+        n_shards=n_shards,
+        oracle=bool(cfg.get("oracle")),
+        certify=bool(cfg.get("certify")),
+        delta=_number(cfg, "delta", float, low=0.0, high=0.999, low_open=True),
+        window=_number(cfg, "window", int, low=1),
+        options=options,
+        max_context_tokens=None if max_ctx is None else _number(cfg, "max_context_tokens", int, low=8),
+        truncate=truncate,
+    )
