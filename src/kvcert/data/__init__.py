@@ -1,0 +1,42 @@
+"""Workloads: the prompts the pipeline evaluates, and how their answers are scored.
+
+Every workload yields :class:`Item` objects. The contract with the runner:
+
+- the model input is exactly ``item.context + item.question + item.answer_prefix``
+  (:attr:`Item.prompt`), encoded as one string;
+- ``context`` is the part that may be compressed before the question is known (the
+  streaming / question-agnostic setting): the document or haystack, preceded by any
+  template preamble (instructions that come before the document);
+- ``question`` is the rest of the user's text (the question and any closing instruction),
+  and ``answer_prefix`` the text that opens the model's answer (e.g. " The pass key is");
+  neither is ever compressed, and in a chat format ``answer_prefix`` belongs to the
+  assistant turn;
+- generation stops after ``max_new_tokens`` tokens; the prediction (the generated text
+  only, without ``answer_prefix``) is scored with ``score_item(item, prediction)``, i.e.
+  ``metrics.score(prediction, item.answers, item.metric, **item.metric_kwargs)`` on a 0–100
+  scale, and ``metrics.is_correct(score, item.metric)`` says whether it counts as right.
+
+Workloads (``load_items(name, cfg, tokenizer, n_items)``):
+
+- ``ruler``: synthetic needle / variable-tracking / common-words tasks generated here to a
+  token length of the given tokenizer (:mod:`kvcert.data.ruler`);
+- ``longbench``: LongBench v1 subsets with the benchmark's prompts, truncation and metrics
+  (:mod:`kvcert.data.longbench`);
+- ``jsonl``: ready-made items from a JSON-lines file (:mod:`kvcert.data.jsonl`).
+"""
+
+from .item import Item
+from .metrics import CORRECT_THRESHOLDS, METRICS, is_correct, score, score_item
+from .registry import WORKLOADS, load_items, register_workload
+
+__all__ = [
+    "CORRECT_THRESHOLDS",
+    "Item",
+    "METRICS",
+    "WORKLOADS",
+    "is_correct",
+    "load_items",
+    "register_workload",
+    "score",
+    "score_item",
+]
