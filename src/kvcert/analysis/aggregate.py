@@ -1,0 +1,190 @@
+"""Collect claim results (``results/claims/*.json``) into the paper tables.
+
+Writes, into ``--out-dir``:
+- ``claims.csv`` / ``claims.md`` / ``claims.tex``: one row per claim (estimate, 95% CI, threshold,
+  verdict, the paper's verdict, agreement);
+- ``reproduction.csv``: the paper's headline numbers beside ours (``REPRODUCTION``).
+All files are written to a temporary name and renamed, so a failed run leaves none half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from kvcert.analysis.errors import AnalysisError
+
+CLAIM_COLUMNS = ["claim", "title", "component", "estimate", "ci_low", "ci_high", "threshold",
+                 "verdict", "paper_verdict", "agrees", "n"]
+REPRO_COLUMNS = ["quantity", "paper", "ours", "ci_low", "ci_high", "note"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A headline number of the paper and where our value sits in a claim's JSON."""
+
+    quantity: str
+    paper: str
+    claim: str
+    path: tuple[str, ...]  # keys into the claim JSON; the leaf holds estimate / ci_low / ci_high
+    note: str
+
+
+REPRODUCTION = (
+    Target("certificate coverage", "0.969-0.977", "c3", ("details", "coverage"),
+           "fraction of (step, layer, head) with true error <= sqrt(trV/0.05)"),
+    Target("Spearman(certificate, true error)", "0.943-0.979", "c3", ("details", "spearman"), ""),
+    Target("median relative error at 25%: Poisson+Hajek", "0.0317", "c3",
+           ("details", "median_rel_err", "poisson"), "steps.rel_err, question-aware"),
+    Target("median relative error at 25%: top-k", "0.0447", "c3", ("details", "median_rel_err", "topk"),
+           "steps.rel_err, question-aware"),
+    Target("median relative error at 25%: uniform sampling", "0.2386", "c3",
+           ("details", "median_rel_err", "uniform"), "steps.rel_err, question-aware"),
+    Target("accuracy Poisson minus top-k (points)", "|difference| <= 0.7", "c2", (),
+           "binding budget of the non-inferiority test"),
+    Target("failure-prediction AUC: certificate", "mean 0.836 (>0.5 in 16/16 cells)", "c4",
+           ("details", "auc_certificate"), "the paper found log-probability better"),
+    Target("failure-prediction AUC: confidence", "above the certificate's", "c4",
+           ("details", "auc_confidence"), ""),
+    Target("attribution AUC: certificate", "0.73-0.75 (v2: 0.65-0.75)", "c6",
+           ("details", "auc_certificate"), "cache-induced vs inherent failures"),
+    Target("attribution AUC: confidence", "0.47-0.54", "c6", ("details", "auc_confidence"), ""),
+    Target("escalation gain over random gating (points)", "about 0 (adds nothing)", "c5",
+           ("details", "gain_over_random"), "25% escalation rate"),
+    Target("recompute gain over random gating (points)", "+1.9 to +3.7", "c7",
+           ("details", "gain_over_random"), "streaming, 25% recompute budget"),
+    Target("recompute gain over confidence gating (points)", "+1.9 to +3.7", "c7",
+           ("details", "gain_over_confidence"), "streaming, 25% recompute budget"),
+)
+
+
+def load_results(paths: list[Path]) -> dict[str, dict]:
+    out = {}
+    for p in paths:
+        if not p.is_file():
+            raise AnalysisError(f"{p}: missing claim result")
+        try:
+            res = json.loads(p.read_text())
+            out[str(res["claim"])] = res
+        except (ValueError, KeyError, TypeError) as exc:
+            raise AnalysisError(f"{p}: not a claim result ({type(exc).__name__}: {exc})") from None
+    return out
+
+
+def _num(x) -> float:
+    return math.nan if x is None else float(x)
+
+
+def _agrees(x) -> str:
+    return "n/a" if x is None else ("yes" if x else "no")
+
+
+def claims_table(results: dict[str, dict]) -> pd.DataFrame:
+    rows = []
+    for cid in sorted(results):
+        r = results[cid]
+        rows.append({**{c: r.get(c) for c in CLAIM_COLUMNS}, "agrees": _agrees(r.get("agrees")),
+                     **{c: _num(r.get(c)) for c in ("estimate", "ci_low", "ci_high", "threshold")}})
+    return pd.DataFrame(rows, columns=CLAIM_COLUMNS)
+
+
+def reproduction_table(results: dict[str, dict]) -> pd.DataFrame:
+    rows = []
+    for t in REPRODUCTION:
+        leaf = results.get(t.claim)
+        note = t.note
+        for key in t.path:
+            leaf = leaf.get(key) if isinstance(leaf, dict) else None
+        if not isinstance(leaf, dict):
+            leaf = {}
+            note = f"not available ({t.claim} result missing or lacks it)"
+        elif leaf.get("note"):
+            note = leaf["note"]
+        rows.append({"quantity": t.quantity, "paper": t.paper, "ours": _num(leaf.get("estimate")),
+                     "ci_low": _num(leaf.get("ci_low")), "ci_high": _num(leaf.get("ci_high")), "note": note})
+    return pd.DataFrame(rows, columns=REPRO_COLUMNS)
+
+
+def _f(x) -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4g}"
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    cols = ["claim", "title", "estimate", "ci_low", "ci_high", "threshold", "verdict", "paper_verdict", "agrees", "n"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, r in df.iterrows():
+        cells = [_f(r[c]) if c in ("estimate", "ci_low", "ci_high", "threshold") else str(r[c]) for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _tex_escape(s: str) -> str:
+    for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"), ("$", r"\$")):
+        s = s.replace(a, b)
+    return s
+
+
+def to_latex(df: pd.DataFrame) -> str:
+    lines = [r"\begin{tabular}{llrrrll}", r"\toprule",
+             r"Claim & Title & Estimate & 95\% CI & Threshold & Verdict (paper) & Agrees \\", r"\midrule"]
+    for _, r in df.iterrows():
+        ci = f"[{_f(r['ci_low'])}, {_f(r['ci_high'])}]"
+        lines.append(" & ".join([
+            r["claim"].upper(), _tex_escape(str(r["title"])), _f(r["estimate"]), ci, _f(r["threshold"]),
+            _tex_escape(f"{r['verdict']} ({r['paper_verdict']})"), str(r["agrees"]),
+        ]) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def aggregate(paths: list[Path], out_dir: Path) -> list[Path]:
+    """Write the four tables; returns their paths."""
+    results = load_results(paths)
+    if not results:
+        raise AnalysisError("no claim results given")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = claims_table(results)
+    outputs = {
+        "claims.csv": table.to_csv(index=False),
+        "claims.md": to_markdown(table),
+        "claims.tex": to_latex(table),
+        "reproduction.csv": reproduction_table(results).to_csv(index=False),
+    }
+    for name, text in outputs.items():
+        _write(out_dir / name, text)
+    return [out_dir / n for n in outputs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvcert-aggregate", description="Claim results -> paper tables.")
+    parser.add_argument("results", nargs="*", type=Path, help="claim JSON files (default: all in --claims-dir)")
+    parser.add_argument("--claims-dir", type=Path, default=Path("results/claims"))
+    parser.add_argument("--out-dir", type=Path, default=Path("results/tables"))
+    args = parser.parse_args(argv)
+    try:
+        paths = args.results or sorted(args.claims_dir.glob("*.json"))
+        if not paths:
+            raise AnalysisError(f"{args.claims_dir}: no claim results (*.json)")
+        for p in aggregate(paths, args.out_dir):
+            print(f"wrote {p}")
+    except AnalysisError as exc:
+        print(f"kvcert-aggregate: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""One figure per claim, drawn from the numbers the claim analysis computed (``figure_data``).
+
+Registry ``FIGURES`` maps a claim id to its drawing function; ``save`` writes PNG and PDF
+atomically (temporary file, then rename), so an interrupted run leaves no half-written figure.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: figures are files, never windows
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kvcert.analysis.claims import ClaimResult  # noqa: E402
+
+SIGNAL_STYLE = {
+    "certificate": {"color": "tab:blue", "label": "certificate (cert_mean)"},
+    "certificate_max": {"color": "tab:cyan", "label": "certificate (cert_max)", "linestyle": ":"},
+    "confidence": {"color": "tab:orange", "label": "confidence (low log-prob)"},
+    "random": {"color": "0.4", "label": "random", "linestyle": "--"},
+}
+
+
+def _budget(result: ClaimResult):
+    """C1/C2: accuracy vs budget for each (policy, design); the full cache as a line."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    table = result.figure_data["table"]
+    lines: dict[tuple, list] = {}
+    for row in table:
+        lines.setdefault((row["policy"], row["design"]), []).append((row["budget"], row["accuracy"]))
+    for (policy, design), pts in sorted(lines.items()):
+        pts.sort()
+        if policy == "full":
+            ax.axhline(pts[0][1], color="black", linestyle="--", linewidth=1, label="full cache")
+            continue
+        x, y = zip(*pts)
+        ax.plot(x, y, marker="o" if design == "poisson" else "s",
+                linestyle="-" if design == "poisson" else "--", label=f"{policy} / {design}")
+    ax.set_xlabel("budget (fraction of context kept)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"{result.claim.upper()}: accuracy vs budget ({result.figure_data['setting']})")
+    ax.legend(fontsize=7)
+    return fig
+
+
+def _coverage(result: ClaimResult):
+    """C3: calibration of sqrt(trV/delta) over a delta grid, and certificate vs true error."""
+    fd = result.figure_data
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    nominal = 1 - np.asarray(fd["calibration"]["delta"])
+    for budget, cov in fd["calibration"]["coverage"].items():
+        left.plot(nominal, cov, marker="o", label=f"budget {budget}")
+    left.plot([nominal.min(), 1], [nominal.min(), 1], color="black", linestyle="--", linewidth=1, label="nominal")
+    left.set_xlabel("nominal coverage 1 - delta")
+    left.set_ylabel("empirical coverage of sqrt(trV / delta)")
+    left.legend(fontsize=7)
+    cert, err, budgets = np.asarray(fd["cert"]), np.asarray(fd["true_err"]), np.asarray(fd["budget"])
+    ok = (cert > 0) & (err > 0)
+    for b in np.unique(budgets):
+        m = ok & (budgets == b)
+        right.scatter(cert[m], err[m], s=3, alpha=0.4, label=f"budget {b:g}")
+    if ok.any():
+        lo, hi = min(cert[ok].min(), err[ok].min()), max(cert[ok].max(), err[ok].max())
+        right.plot([lo, hi], [lo, hi], color="black", linestyle="--", linewidth=1, label="error = certificate")
+    right.set_xscale("log")
+    right.set_yscale("log")
+    right.set_xlabel(f"certificate sqrt(trV / {fd['delta']:g})")
+    right.set_ylabel("true error ||o_hat - o||")
+    right.legend(fontsize=7, markerscale=3)
+    fig.suptitle("C3: certificate coverage")
+    fig.tight_layout()
+    return fig
+
+
+def _roc(result: ClaimResult):
+    """C4/C6: ROC curves of the certificate and the confidence."""
+    fd = result.figure_data
+    fig, ax = plt.subplots(figsize=(4.5, 4.2))
+    for signal, curve in fd["roc"].items():
+        style = SIGNAL_STYLE.get(signal, {"label": signal})
+        auc = result.details.get(f"auc_{signal}", {}).get("estimate")
+        label = style["label"] + (f", AUC {auc:.3f}" if auc is not None and np.isfinite(auc) else "")
+        ax.plot(curve["fpr"], curve["tpr"], **{**style, "label": label})
+    ax.plot([0, 1], [0, 1], color="black", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("false positive rate")
+    ax.set_ylabel(f"true positive rate ({fd['positive']})")
+    ax.set_title(f"{result.claim.upper()}: {fd['title']}")
+    ax.legend(fontsize=7, loc="lower right")
+    return fig
+
+
+def _curve(result: ClaimResult):
+    """C5/C7: replayed accuracy vs intervention rate for each gating signal."""
+    fd = result.figure_data
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    rate = fd["curve"]["rate"]
+    for signal in ("certificate", "confidence", "random"):
+        ax.plot(rate, fd["curve"][signal], **SIGNAL_STYLE[signal])
+    ax.axvline(fd["rate"], color="black", linewidth=0.8, linestyle=":", label=f"pre-registered rate {fd['rate']:g}")
+    ax.set_xlabel(fd["xlabel"])
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"{result.claim.upper()}: {fd['title']}")
+    ax.legend(fontsize=7)
+    return fig
+
+
+FIGURES: dict[str, Callable[[ClaimResult], "plt.Figure"]] = {
+    "c1": _budget, "c2": _budget, "c3": _coverage, "c4": _roc, "c5": _curve, "c6": _roc, "c7": _curve,
+}
+
+
+def save(result: ClaimResult, figure_dir: str | Path) -> list[Path]:
+    """Draw the claim's figure and write ``<figure_dir>/<claim>.png`` and ``.pdf`` atomically."""
+    figure_dir = Path(figure_dir)
+    figure_dir.mkdir(parents=True, exist_ok=True)
+    fig = FIGURES[result.claim](result)
+    written = []
+    try:
+        for ext in ("png", "pdf"):
+            target = figure_dir / f"{result.claim}.{ext}"
+            tmp = figure_dir / f".{result.claim}.{ext}.tmp"
+            fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight")
+            os.replace(tmp, target)
+            written.append(target)
+    finally:
+        plt.close(fig)
+    return written

@@ -1,0 +1,120 @@
+"""Tests of our own statistics code (kvcert.analysis.stats / verdicts / replay) on numbers we generate.
+
+Each weighted statistic is checked against the textbook definition on the expanded sample, so the
+bootstrap (which passes item multiplicities as weights) computes exactly what it claims to.
+"""
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from kvcert.analysis import replay, stats, verdicts
+from kvcert.analysis.stats import Interval
+
+
+def brute_auc(scores, labels):
+    pos, neg = scores[labels], scores[~labels]
+    wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return wins / (len(pos) * len(neg))
+
+
+def test_auc_matches_brute_force_pair_count_with_ties():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        n = rng.integers(5, 60)
+        scores = rng.integers(0, 6, n).astype(float)  # many ties
+        labels = rng.random(n) < 0.4
+        if labels.all() or (~labels).all():
+            continue
+        assert stats.auc(scores, labels) == pytest.approx(brute_auc(scores, labels))
+
+
+def test_weighted_auc_equals_auc_of_expanded_sample():
+    rng = np.random.default_rng(2)
+    scores = rng.normal(size=40).round(1)
+    labels = rng.random(40) < 0.5
+    W = rng.integers(0, 4, size=(5, 40)).astype(float)
+    got = stats.auc(scores, labels, W)
+    for b in range(5):
+        rep = np.repeat(np.arange(40), W[b].astype(int))
+        assert got[b] == pytest.approx(brute_auc(scores[rep], labels[rep]))
+
+
+def test_auc_undefined_when_a_class_is_empty():
+    assert np.isnan(stats.auc([0.1, 0.2], [True, True]))
+
+
+def test_spearman_matches_scipy_and_expanded_sample():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=50).round(1)
+    y = x + rng.normal(size=50)
+    assert stats.spearman(x, y) == pytest.approx(sps.spearmanr(x, y).statistic)
+    w = rng.integers(0, 4, size=50).astype(float)
+    rep = np.repeat(np.arange(50), w.astype(int))
+    assert stats.spearman(x, y, w) == pytest.approx(sps.spearmanr(x[rep], y[rep]).statistic)
+
+
+def test_weighted_median_equals_median_of_expanded_sample():
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=31)
+    assert stats.Median(x)() == pytest.approx(np.median(x))
+    W = rng.integers(0, 3, size=(6, 31)).astype(float)
+    got = stats.Median(x)(W)
+    for b in range(6):
+        assert got[b] == pytest.approx(np.median(np.repeat(x, W[b].astype(int))))
+
+
+def test_top_fraction_selects_exactly_q_and_splits_ties():
+    top = stats.TopFraction([5.0, 4.0, 3.0, 2.0])
+    assert np.allclose(top(0.5), [1, 1, 0, 0])
+    assert np.allclose(stats.TopFraction(np.zeros(8))(0.25), 0.25)  # constant score = random gate
+    tied = stats.TopFraction([3.0, 1.0, 1.0, 0.0])(0.5)  # one slot left for two tied runs
+    assert np.allclose(tied, [1, 0.5, 0.5, 0])
+
+
+def test_random_gate_equals_analytic_expectation():
+    rng = np.random.default_rng(5)
+    low = (rng.random(100) < 0.5).astype(float)
+    better = np.maximum(low, rng.random(100) < 0.7)
+    rep = replay.Replay(low, better, {"certificate": rng.normal(size=100)}, np.arange(100), 100)
+    q = 0.25
+    assert rep.accuracy("random", q)[0] == pytest.approx(100 * (low.mean() + q * (better - low).mean()))
+
+
+def test_bootstrap_ci_covers_the_truth_in_a_seeded_simulation():
+    """Percentile CI of a mean: about 95% of 200 simulated data sets must cover the true mean."""
+    rng = np.random.default_rng(6)
+    hits = 0
+    for k in range(200):
+        x = rng.exponential(1.0, size=80)  # skewed on purpose; true mean 1
+        iv = stats.cluster_bootstrap(lambda W: stats.weighted_mean(x, W), 80, n_boot=400, seed=k)[0]
+        hits += iv.low <= 1.0 <= iv.high
+    assert 0.88 <= hits / 200 <= 0.99
+
+
+def test_bootstrap_is_seeded_and_paired():
+    x = np.random.default_rng(7).normal(size=30)
+    stat = lambda W: np.column_stack([stats.weighted_mean(x, W), stats.weighted_mean(x, W) - stats.weighted_mean(x, W)])
+    a = stats.cluster_bootstrap(stat, 30, n_boot=300, seed=3)
+    b = stats.cluster_bootstrap(stat, 30, n_boot=300, seed=3)
+    assert a == b
+    assert a[1].low == a[1].high == 0.0  # the same resamples for both arms
+
+
+@pytest.mark.parametrize("lo,hi,verdict", [
+    (0.1, 0.5, verdicts.SUPPORTED), (-0.5, 0.5, verdicts.NOT_SUPPORTED), (-2.0, -0.5, verdicts.NOT_SUPPORTED),
+    (-0.5, 1.5, verdicts.INCONCLUSIVE), (float("nan"), float("nan"), verdicts.INCONCLUSIVE),
+])
+def test_decision_rule_with_null_margin(lo, hi, verdict):
+    rule = {"threshold": 0.0, "direction": "greater", "null_margin": 1.0}
+    assert verdicts.decide("x", Interval(0.0, lo, hi, 1, 0), rule).verdict == verdict
+
+
+def test_combine_and_binding():
+    rule = {"threshold": 0.0}
+    a = verdicts.decide("a", Interval(2.0, 1.0, 3.0, 1, 0), rule)
+    b = verdicts.decide("b", Interval(1.0, 0.2, 2.0, 1, 0), rule)
+    c = verdicts.decide("c", Interval(-2.0, -3.0, -1.0, 1, 0), rule)
+    assert verdicts.combine([a, b]) == verdicts.SUPPORTED and verdicts.binding([a, b]).name == "b"
+    assert verdicts.combine([a, c]) == verdicts.NOT_SUPPORTED and verdicts.binding([a, c]).name == "c"
+    assert verdicts.agrees(verdicts.INCONCLUSIVE, "supported") is None
