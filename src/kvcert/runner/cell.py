@@ -38,7 +38,7 @@ from .tables import (
 PARTS = ".parts"
 # Keys that change what a cell computes; the rest (out_dir, progress, threads) do not.
 _IDENTITY_KEYS = (
-    "data", "model", "policies", "designs", "budgets", "seeds", "setting", "n_items", "shard", "n_shards",
+    "data", "model", "policies", "designs", "budgets", "seeds", "extra_grids", "setting", "n_items", "shard", "n_shards",
     "oracle", "certify", "delta", "window", "design_options", "max_context_tokens", "truncate",
 )
 
@@ -100,7 +100,7 @@ def run_item(model, tokenizer, item: Item, cell: CellConfig, limit: int, meta: d
     """All configurations of one item from one prefill: (item rows, step frame)."""
     max_new = int(item.max_new_tokens)
     prefix_ids, suffix_ids = tokenize_item(tokenizer, item, cell.setting, limit, cell.truncate, max_new)
-    accumulate = any(get_policy(p).needs_accumulated_attention for p in cell.policies)
+    accumulate = any(get_policy(p).needs_accumulated_attention for p in cell.all_policies)
     start = time.perf_counter()
     state: Prefill = prefill(model, prefix_ids, suffix_ids, setting=cell.setting, window=cell.window, accumulate=accumulate)
     timings["prefill"] += time.perf_counter() - start

@@ -47,10 +47,37 @@ class CellConfig:
     options: DesignOptions
     max_context_tokens: int | None
     truncate: str
+    extra_grids: tuple[Grid, ...] = ()
+
+    @property
+    def grids(self) -> tuple[Grid, ...]:
+        return (Grid(self.policies, self.designs, self.budgets, self.seeds), *self.extra_grids)
+
+    @property
+    def all_policies(self) -> set[str]:
+        return {p for grid in self.grids for p in grid.policies}
 
     def configurations(self) -> list[Configuration]:
-        """The full cache first, then policy × design × budget × seed (deterministic designs once)."""
+        """The full cache first, then each grid's policy × design × budget × seed, without repeats."""
         out = [Configuration(FULL, FULL, 1.0, 0)]
+        for grid in self.grids:
+            for conf in grid.configurations():
+                if conf not in out:
+                    out.append(conf)
+        return out
+
+
+@dataclass(frozen=True)
+class Grid:
+    """policy × design × budget × seed; deterministic designs run once (seed 0)."""
+
+    policies: tuple[str, ...]
+    designs: tuple[str, ...]
+    budgets: tuple[float, ...]
+    seeds: tuple[int, ...]
+
+    def configurations(self) -> list[Configuration]:
+        out = []
         for policy in self.policies:
             for design in self.designs:
                 seeds = self.seeds if design == "poisson" else (0,)
@@ -59,13 +86,14 @@ class CellConfig:
         return out
 
 
-def _names(cfg: Mapping[str, Any], key: str, known) -> tuple[str, ...]:
+def _names(cfg: Mapping[str, Any], key: str, known, prefix: str = "") -> tuple[str, ...]:
     values = cfg.get(key)
+    name = f"{prefix}.{key}" if prefix else key
     if values is None or isinstance(values, str) or len(values) == 0:
-        raise ConfigError(f"{key}={values!r}: expected a non-empty list, e.g. {key}=[{sorted(known)[0]}]")
+        raise ConfigError(f"{name}={values!r}: expected a non-empty list, e.g. {key}=[{sorted(known)[0]}]")
     for value in values:
         if value not in known:
-            raise ConfigError(f"{key}: {value!r} is unknown; known: {sorted(known)}")
+            raise ConfigError(f"{name}: {value!r} is unknown; known: {sorted(known)}")
     return tuple(str(v) for v in values)
 
 
@@ -84,26 +112,54 @@ def _number(cfg, key, kind, low=None, high=None, low_open=False):
     return value
 
 
-def validate(cfg: Mapping[str, Any]) -> CellConfig:
-    """Check a resolved run config; raises ConfigError naming the first bad key."""
+def _budgets(cfg: Mapping[str, Any], key: str) -> tuple[float, ...]:
     budgets = cfg.get("budgets")
     if budgets is None or isinstance(budgets, (str, int, float)) or len(budgets) == 0:
-        raise ConfigError(f"budgets={budgets!r}: expected a non-empty list of fractions in (0, 1]")
-    checked_budgets = []
+        raise ConfigError(f"{key}={budgets!r}: expected a non-empty list of fractions in (0, 1]")
+    checked = []
     for b in budgets:
         try:
             b = float(b)
         except (TypeError, ValueError):
-            raise ConfigError(f"budgets: {b!r} is not a number") from None
+            raise ConfigError(f"{key}: {b!r} is not a number") from None
         if not 0.0 < b <= 1.0:
-            raise ConfigError(f"budgets: {b} is outside (0, 1]")
-        checked_budgets.append(b)
+            raise ConfigError(f"{key}: {b} is outside (0, 1]")
+        checked.append(b)
+    return tuple(checked)
+
+
+def _seeds(cfg: Mapping[str, Any], key: str) -> tuple[int, ...]:
     seeds = cfg.get("seeds")
     if seeds is None or isinstance(seeds, (str, int)) or len(seeds) == 0:
-        raise ConfigError(f"seeds={seeds!r}: expected a non-empty list of integers")
+        raise ConfigError(f"{key}={seeds!r}: expected a non-empty list of integers")
     for s in seeds:
         if isinstance(s, bool) or not isinstance(s, int):
-            raise ConfigError(f"seeds: {s!r} is not an integer")
+            raise ConfigError(f"{key}: {s!r} is not an integer")
+    return tuple(int(s) for s in seeds)
+
+
+def _extra_grids(cfg: Mapping[str, Any], seeds: tuple[int, ...]) -> tuple[Grid, ...]:
+    grids = []
+    for i, grid in enumerate(cfg.get("extra_grids") or []):
+        key = f"extra_grids[{i}]"
+        if not isinstance(grid, Mapping):
+            raise ConfigError(f"{key}={grid!r}: expected a mapping with policies, designs, budgets[, seeds]")
+        unknown = set(grid) - {"policies", "designs", "budgets", "seeds"}
+        if unknown:
+            raise ConfigError(f"{key}: unknown keys {sorted(unknown)}")
+        grids.append(Grid(
+            policies=_names(grid, "policies", set(POLICIES), key),
+            designs=_names(grid, "designs", set(DESIGNS), key),
+            budgets=_budgets(grid, f"{key}.budgets"),
+            seeds=_seeds(grid, f"{key}.seeds") if grid.get("seeds") is not None else seeds,
+        ))
+    return tuple(grids)
+
+
+def validate(cfg: Mapping[str, Any]) -> CellConfig:
+    """Check a resolved run config; raises ConfigError naming the first bad key."""
+    checked_budgets = _budgets(cfg, "budgets")
+    seeds = _seeds(cfg, "seeds")
     setting = cfg.get("setting")
     if setting not in SETTINGS:
         raise ConfigError(f"setting={setting!r} is unknown; known: {list(SETTINGS)}")
@@ -130,7 +186,7 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
         policies=_names(cfg, "policies", set(POLICIES)),
         designs=_names(cfg, "designs", set(DESIGNS)),
         budgets=tuple(checked_budgets),
-        seeds=tuple(int(s) for s in seeds),
+        seeds=seeds,
         setting=setting,
         n_items=_number(cfg, "n_items", int, low=1),
         shard=shard,
@@ -142,4 +198,5 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
         options=options,
         max_context_tokens=None if max_ctx is None else _number(cfg, "max_context_tokens", int, low=8),
         truncate=truncate,
+        extra_grids=_extra_grids(cfg, seeds),
     )

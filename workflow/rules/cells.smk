@@ -1,0 +1,25 @@
+# Stage 2: cells. One job per (cell, shard): every configuration of the shard's items on one prefill.
+# A killed job leaves its finished items under <shard>/.parts; the rerun resumes from them.
+
+
+rule cell:
+    input:
+        model=lambda wc: f"{OUT}/models/{CELLS[wc.cell]['model']}.json",
+    output:
+        item_table=f"{OUT}/cells/{{cell}}/shard-{{shard}}/items.parquet",
+        step_table=f"{OUT}/cells/{{cell}}/shard-{{shard}}/steps.parquet",
+        manifest=f"{OUT}/cells/{{cell}}/shard-{{shard}}/manifest.json",
+    log:
+        f"{OUT}/logs/cells/{{cell}}-{{shard}}.log",
+    params:
+        overrides=lambda wc: quoted(MODELS[CELLS[wc.cell]["model"]] + CELLS[wc.cell]["overrides"]),
+        n_shards=lambda wc: CELLS[wc.cell]["shards"],
+        out_dir=lambda wc: f"{OUT}/cells/{wc.cell}/shard-{wc.shard}",
+    threads: S.get("threads_per_cell", 1)
+    resources:
+        mem_mb=resource("cell", "mem_mb", 6000),
+        runtime=resource("cell", "runtime", 120),
+        gpus=S.get("gpus_per_cell", 0),
+    shell:
+        "kvcert-run {params.overrides} shard={wildcards.shard} n_shards={params.n_shards} "
+        "threads={threads} out_dir={params.out_dir} > {log} 2>&1"
