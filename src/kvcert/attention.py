@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from .cache import CompressedCache, CompressedLayer, StepRecord
+from .cache import CompressedCache, CompressedLayer, StepRecord, active_cache
 from .estimator import hajek_with_bias, offset_bias, tail_weight
 
 ATTENTION_NAME = "kvcert"
@@ -115,6 +115,8 @@ def kvcert_attention(
     group = hq // hk
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(d)
     cache = kwargs.get(CACHE_KWARG)
+    if not isinstance(cache, CompressedCache):
+        cache = active_cache(module.layer_idx, key)  # e.g. model.generate(cache=...), which drops kvcert_cache
     layer = cache.layers[module.layer_idx] if isinstance(cache, CompressedCache) else None
     sliding = kwargs.get("sliding_window")
     if layer is None:

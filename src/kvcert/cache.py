@@ -10,12 +10,29 @@ beside the compressed ones so that every step can be compared against full atten
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .designs import Selection
+
+_ACTIVE = threading.local()
+
+
+def active_cache(layer_idx: int, key: torch.Tensor) -> CompressedCache | None:
+    """The CompressedCache whose layer ``layer_idx`` has just returned exactly ``key`` from ``update``, if any.
+
+    ``model.generate`` refuses unknown keywords such as ``kvcert_cache``, so the attention function falls back
+    to the cache most recently updated on this thread; the identity check makes a stale entry harmless.
+    """
+    ref = getattr(_ACTIVE, "cache", None)
+    cache = ref() if ref is not None else None
+    if cache is None or layer_idx >= len(cache.layers) or cache.layers[layer_idx].keys is not key:
+        return None
+    return cache
 
 
 @dataclass
@@ -146,6 +163,11 @@ class CompressedCache(Cache):
         self.records: list[StepRecord] = []
         self.compressed_length = max((layer.length for layer in layers), default=0)
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Append to layer ``layer_idx`` (see ``CompressedLayer.update``) and mark this cache as the active one."""
+        _ACTIVE.cache = weakref.ref(self)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     @classmethod
     def for_prefill(cls, num_layers: int, window: int, accumulate: bool) -> CompressedCache:
         """An empty cache whose layers record the observation window (and accumulated attention)."""
@@ -165,4 +187,4 @@ class CompressedCache(Cache):
         return sum(layer.nbytes for layer in self.layers)
 
 
-__all__ = ["CompressedCache", "CompressedLayer", "Observation", "StepRecord"]
+__all__ = ["CompressedCache", "CompressedLayer", "Observation", "StepRecord", "active_cache"]

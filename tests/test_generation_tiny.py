@@ -1,0 +1,240 @@
+"""Generation on tiny random-weight models built from configs (no download).
+
+At budget 1.0 the ``topk`` design keeps every slot and the ``poisson`` design has π = 1 everywhere, so the
+kvcert attention path must reproduce the stock ``sdpa`` attention with a standard ``DynamicCache``: same
+logits (≤ 1e-5) over a prefill and several greedy decode steps, in both settings, for Llama, Mistral and
+Qwen2 (sliding window), Gemma3 (sliding / full layers) and a single-KV-head (MQA) Llama.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import kvcert
+from kvcert.attention import CACHE_KWARG
+from kvcert.sampling import budget_tokens
+
+VOCAB = 300
+WINDOW = 8  # sliding window, shorter than every prompt below
+CONTEXT = 40
+QUESTION = 6
+STEPS = 4
+ATOL = 1e-5
+
+_COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=VOCAB,
+    max_position_embeddings=1024,
+)
+
+
+def _config(arch: str):
+    """(config, model class, whether some layer uses a sliding window)."""
+    if arch == "llama":
+        return LlamaConfig(**_COMMON), LlamaForCausalLM, False
+    if arch == "llama_mqa":
+        return LlamaConfig(**{**_COMMON, "num_key_value_heads": 1}), LlamaForCausalLM, False
+    if arch == "mistral":
+        return MistralConfig(**_COMMON, sliding_window=WINDOW), MistralForCausalLM, True
+    if arch == "qwen2":
+        cfg = Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+        assert "sliding_attention" in cfg.layer_types
+        return cfg, Qwen2ForCausalLM, True
+    if arch == "gemma3":
+        cfg = Gemma3TextConfig(
+            **_COMMON, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]
+        )
+        return cfg, Gemma3ForCausalLM, True
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "llama_mqa", "mistral", "qwen2", "gemma3"]
+
+
+def _build(arch: str, seed: int = 0):
+    """A stock-``sdpa`` reference model and an independent kvcert copy with the same weights."""
+    cfg, cls, sliding = _config(arch)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    reference = cls(cfg).eval()
+    model = copy.deepcopy(reference)
+    kvcert.prepare_model(model)
+    assert reference.config._attn_implementation == "sdpa"
+    return reference, model, sliding
+
+
+def _prompt(seed: int, n_context: int = CONTEXT, n_question: int = QUESTION):
+    g = torch.Generator().manual_seed(seed)
+    context = torch.randint(3, VOCAB, (1, n_context), generator=g)
+    question = torch.randint(3, VOCAB, (1, n_question), generator=g)
+    return context, question
+
+
+@torch.no_grad()
+def _stock_greedy(model, ids: torch.Tensor, steps: int):
+    """Logits (steps + 1, vocab) after the prompt and after each greedy token, and the greedy tokens."""
+    cache = DynamicCache(config=model.config)
+    logits = [model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]]
+    tokens = []
+    for _ in range(steps):
+        token = int(logits[-1].argmax())
+        tokens.append(token)
+        logits.append(model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1])
+    return torch.stack(logits), tokens
+
+
+@torch.no_grad()
+def _kvcert_logits(model, state, selections, tokens, *, certify: bool, oracle: bool):
+    """Logits of the kvcert path on a derived cache, teacher-forced with ``tokens``; and the cache."""
+    cache = state.cache.derive(selections, certify=certify, oracle=oracle)
+    kwargs = {"cache": cache, "use_cache": True, CACHE_KWARG: cache}
+    if state.suffix_ids.shape[-1] > 0:
+        logits = [model(input_ids=state.suffix_ids, **kwargs).logits[0, -1]]
+    else:
+        logits = [state.last_logits[0]]
+    for token in tokens:
+        logits.append(model(input_ids=torch.tensor([[token]]), **kwargs).logits[0, -1])
+    return torch.stack(logits).float(), cache
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_budget_one_reproduces_stock_attention(arch):
+    reference, model, sliding = _build(arch)
+    context, question = _prompt(1)
+    ref_logits, ref_tokens = _stock_greedy(reference, torch.cat([context, question], -1), STEPS)
+
+    for setting in ("question_aware", "streaming"):
+        if setting == "question_aware":
+            state = kvcert.prefill(model, torch.cat([context, question], -1), setting=setting)
+            assert torch.allclose(state.last_logits[0], ref_logits[0], atol=ATOL, rtol=0)
+        else:
+            state = kvcert.prefill(model, context, question, setting=setting)
+        for design in ("topk", "poisson"):
+            selections = kvcert.select(state, "snapkv", design, 1.0, seed=3)
+            for sel in selections:  # every slot kept, all certain
+                assert sel.index.shape[-1] == state.context_tokens
+                assert bool((sel.log_pi == 0).all())
+            for certify, oracle in ((False, False), (True, True)):
+                logits, cache = _kvcert_logits(model, state, selections, ref_tokens, certify=certify, oracle=oracle)
+                diff = float((logits - ref_logits).abs().max())
+                assert diff <= ATOL, f"{arch} {setting} {design} certify={certify}: max |Δlogit| = {diff:.2e}"
+                if certify:
+                    assert cache.records, "a certifying cache records every compressed attention call"
+                    for rec in cache.records:
+                        assert bool((rec.trace_var == 0).all())  # no tail: zero variance
+                        assert float(rec.true_err.max()) < 1e-4
+            decoded = kvcert.decode(model, state, selections, max_new_tokens=STEPS, certify=True, oracle=True)
+            assert decoded.token_ids == ref_tokens
+            ref_lp = torch.log_softmax(ref_logits[:STEPS], -1)[torch.arange(STEPS), ref_tokens]
+            assert np.allclose(decoded.logprobs, ref_lp.numpy(), atol=ATOL)
+            assert decoded.cache_bytes == decoded.full_bytes
+            assert len(decoded.steps) > 0 and bool((decoded.steps["trace_var"] == 0).all())
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma3"])
+def test_sliding_window_is_exercised(arch):
+    """Without the window the stock logits move: the budget-1.0 comparison above does test the window."""
+    reference, _, _ = _build(arch)
+    cfg = copy.deepcopy(reference.config)
+    cfg.sliding_window = 10_000
+    unwindowed = type(reference)(cfg).eval()
+    unwindowed.load_state_dict(reference.state_dict())
+    context, question = _prompt(1)
+    ids = torch.cat([context, question], -1)
+    a, _ = _stock_greedy(reference, ids, 1)
+    b, _ = _stock_greedy(unwindowed, ids, 1)
+    assert float((a - b).abs().max()) > 1e-4
+
+
+def test_full_policy_uses_the_uncompressed_cache():
+    reference, model, _ = _build("llama")
+    context, question = _prompt(2)
+    ref_logits, ref_tokens = _stock_greedy(reference, torch.cat([context, question], -1), STEPS)
+    state = kvcert.prefill(model, context, question, setting="streaming")
+    decoded = kvcert.decode(model, state, None, max_new_tokens=STEPS, oracle=True)
+    assert decoded.token_ids == ref_tokens
+    assert len(decoded.steps) == 0  # no compressed attention, no certificate rows
+    assert decoded.cache_bytes == decoded.full_bytes
+
+
+@pytest.mark.parametrize("arch", ["llama_mqa", "gemma3"])
+@pytest.mark.parametrize("design", ["topk", "poisson"])
+def test_model_generate_runs_on_the_compressed_cache(arch, design):
+    """``model.generate(cache=...)`` on a compressed cache gives kvcert.decode's greedy tokens."""
+    _, model, _ = _build(arch)
+    context, question = _prompt(4, n_context=160)
+    state = kvcert.prefill(model, context, question, setting="streaming")
+    selections = kvcert.select(state, "snapkv", design, 0.25, seed=5)
+    decoded = kvcert.decode(model, state, selections, max_new_tokens=6, certify=False)
+    cache = state.cache.derive(selections)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.cat([context, question], -1),
+            attention_mask=torch.ones((1, context.shape[-1] + question.shape[-1]), dtype=torch.long),
+            cache=cache,
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    generated = out[0, context.shape[-1] + question.shape[-1] :].tolist()
+    assert generated == decoded.token_ids
+    # The cache generate ran on is the compressed one: its prefix slots stayed compressed.
+    n = state.context_tokens
+    layer = cache.layers[0]
+    assert layer.length == n + question.shape[-1] + 5
+    assert layer.keys.shape[-2] - (layer.length - n) < n
+
+
+@pytest.mark.parametrize("setting", ["question_aware", "streaming"])
+@pytest.mark.parametrize("design", ["topk", "poisson"])
+def test_compressed_budget_runs_with_physical_slots_near_budget(setting, design):
+    _, model, _ = _build("gemma3")
+    context, question = _prompt(6, n_context=320)
+    if setting == "question_aware":
+        state = kvcert.prefill(model, torch.cat([context, question], -1), setting=setting)
+    else:
+        state = kvcert.prefill(model, context, question, setting=setting)
+    n = state.context_tokens
+    budget = 0.25
+    expected = budget_tokens(budget, n)
+    assert expected == round(budget * n)  # long enough prompt: the sinks+recent floor is not binding
+    selections = kvcert.select(state, "snapkv", design, budget, seed=7)
+    decoded = kvcert.decode(model, state, selections, max_new_tokens=5, certify=True, oracle=True)
+    assert np.isfinite(decoded.logprobs).all()
+    steps = decoded.steps
+    assert len(steps) > 0
+    for column in ("trace_var", "true_err", "rel_err"):
+        assert np.isfinite(steps[column]).all(), column
+    if design == "poisson":
+        assert np.isfinite(steps["cert"]).all() and (steps["trace_var"] > 0).any()
+    else:
+        assert steps["cert"].isna().all()  # a deterministic design has no certificate
+    slots = [sel.retained.float() for sel in selections]  # (1, kv_heads) per layer
+    if design == "topk":
+        assert all(bool((s == expected).all()) for s in slots)
+        assert decoded.retained_tokens == expected
+    else:
+        # Poisson: expected count = budget per KV head; the realized count is within a few SDs of it.
+        assert abs(decoded.retained_tokens - expected) <= 0.15 * expected
+        assert max(sel.index.shape[-1] for sel in selections) <= 1.3 * expected
+    assert decoded.cache_bytes / decoded.full_bytes <= budget + 0.05

@@ -1,0 +1,179 @@
+"""Monte-Carlo coverage of the certificate on real attention (SmolLM2-135M-Instruct, pass-key prompt).
+
+Setting (fixed before measuring): a ~700–1000-token RULER-style pass-key prompt with four needles and the
+question at the end; SnapKV scores from the last 16 prompt queries; the first decode step's queries (full
+cache); every layer × KV head; 200 Poisson draws per budget. For each draw, ô and V̂ come from
+``hajek_attention`` over the sampled prefix plus the new token (certain), o from plain softmax attention
+over everything; per KV head the outputs of its query heads form one vector.
+
+Pre-set thresholds: bound coverage P(‖ô − o‖ ≤ √(tr V̂ / 0.05)) ≥ 0.93; per-coordinate nominal-95% Wald
+coverage in [0.6, 0.99]; median relative error of Poisson+Hájek below uniform sampling at 25%.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import spearmanr
+
+import kvcert
+from kvcert.designs import DesignOptions, topk_design
+from kvcert.sampling import budget_tokens
+from kvcert.theory import passkey_prompt
+
+pytestmark = pytest.mark.smollm2
+
+DRAWS = 200
+DELTA = 0.05
+Z95 = 1.959963984540054
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    model, tokenizer = kvcert.load_model("smollm2")
+    kvcert.prepare_model(model)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def first_step(smollm2):
+    """Prefill of the prompt (for the scores) and of prompt + greedy token (for the first step's queries)."""
+    model, tokenizer = smollm2
+    context, question, _ = passkey_prompt(n_noise=32, n_needles=4, seed=1)
+    ids = tokenizer(context + question, return_tensors="pt").input_ids
+    n = ids.shape[-1]
+    assert 700 <= n <= 1000, n
+    state = kvcert.prefill(model, ids)
+    token = int(state.last_logits.argmax())
+    step = kvcert.prefill(model, torch.cat([ids, torch.tensor([[token]])], -1))
+    return state, step
+
+
+def _draws(step, layer, pi, generator, draws):
+    """ô, V̂ over ``draws`` Poisson samples, and o; shapes (draws, kv_heads, group, d) and (kv_heads, group, d)."""
+    lyr = step.cache.layers[layer]
+    keys, values = lyr.keys[0].float(), lyr.values[0].float()  # (h, n + 1, d)
+    h, _, d = keys.shape
+    query = lyr.observation.window_queries[0, :, -1, :].float()  # (q_heads, d): first decode step
+    q = query.reshape(h, -1, d)  # (h, group, d)
+    n = pi.shape[-1]
+    keep = kvcert.poisson_sample(pi.expand(draws, h, n), generator)
+    log_pi = torch.where(keep, torch.log(pi).expand(draws, h, n), torch.tensor(float("-inf")))
+    log_pi = torch.cat([log_pi, torch.zeros(draws, h, 1)], -1)  # the new token: certain
+    out, var = kvcert.hajek_attention(q[None], keys[None], values[None], log_pi, scale=lyr.scale)
+    logits = torch.matmul(q.double(), keys.double().transpose(-1, -2)) * lyr.scale
+    full = torch.softmax(logits, -1) @ values.double()
+    return out.double(), var.double(), full
+
+
+def _measure(state, step, policy, budget, seed, draws=DRAWS):
+    """Per (layer, kv_head, draw): error norm, trace V̂, output norm, and per-coordinate Wald hits."""
+    g = torch.Generator().manual_seed(seed)
+    opts = DesignOptions()
+    n = state.context_tokens
+    count = budget_tokens(budget, n)
+    head_fraction = opts.head_fraction if kvcert.POLICIES[policy].certain_top_slice else 0.0
+    err, trace, norm, wald = [], [], [], []
+    for layer, scores in enumerate(state.scores(policy)):
+        pi = kvcert.inclusion_probabilities(scores[0], count, head_fraction=head_fraction)  # (h, n)
+        out, var, full = _draws(step, layer, pi, g, draws)
+        e = out - full
+        err.append(e.square().sum((-1, -2)).sqrt())  # (draws, h)
+        trace.append(var.sum((-1, -2)))
+        norm.append(full.square().sum((-1, -2)).sqrt().expand_as(err[-1]))
+        wald.append((e.abs() <= Z95 * var.sqrt()).double().mean((-1, -2)))
+    return {k: torch.stack(v).numpy() for k, v in (("err", err), ("trace", trace), ("norm", norm), ("wald", wald))}
+
+
+def _topk_rel_err(state, step, budget):
+    """Median relative error of deterministic top-k (SnapKV scores; kept slots log π = 0, the rest −inf)."""
+    rel = []
+    for layer, scores in enumerate(state.scores("snapkv")):
+        sel = topk_design(scores, budget, DesignOptions(), generator=torch.Generator().manual_seed(0))
+        n = state.context_tokens
+        keep = torch.zeros(scores.shape[1], n, dtype=torch.bool)
+        keep.scatter_(-1, sel.index[0], True)
+        lyr = step.cache.layers[layer]
+        keys, values = lyr.keys[0].float(), lyr.values[0].float()
+        h, _, d = keys.shape
+        q = lyr.observation.window_queries[0, :, -1, :].float().reshape(h, -1, d)
+        log_pi = torch.cat([torch.where(keep, 0.0, float("-inf")), torch.zeros(h, 1)], -1)
+        out, _ = kvcert.hajek_attention(q, keys, values, log_pi, scale=lyr.scale)
+        full = torch.softmax(torch.matmul(q.double(), keys.double().transpose(-1, -2)) * lyr.scale, -1) @ values.double()
+        rel.append(((out.double() - full).square().sum((-1, -2)).sqrt() / full.square().sum((-1, -2)).sqrt()))
+    return float(torch.cat(rel).median())
+
+
+def test_library_design_matches_the_measured_design(first_step):
+    """The π used below are the ``poisson`` design's π: the selection's log π equals log π at its indices."""
+    state, _ = first_step
+    count = budget_tokens(0.25, state.context_tokens)
+    selections = kvcert.select(state, "snapkv", "poisson", 0.25, seed=0)
+    retained = []
+    for scores, sel in zip(state.scores("snapkv"), selections):
+        pi = kvcert.inclusion_probabilities(scores, count)
+        valid = torch.isfinite(sel.log_pi)
+        expect = torch.log(pi).gather(-1, sel.index)
+        assert torch.equal(sel.log_pi[valid], expect[valid])
+        retained.append(sel.retained.float())
+    mean = float(torch.cat(retained).mean())
+    assert abs(mean - count) < 0.05 * count
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.5])
+def test_certificate_and_wald_coverage_on_real_attention(first_step, budget):
+    state, step = first_step
+    m = _measure(state, step, "snapkv", budget, seed=11)
+    cert = np.sqrt(m["trace"] / DELTA)
+    bound_cov = float((m["err"] <= cert).mean())
+    bound_196 = float((m["err"] <= 1.96 * np.sqrt(m["trace"])).mean())
+    wald_cov = float(m["wald"].mean())
+    rel = m["err"] / m["norm"]
+    rho = spearmanr(np.sqrt(m["trace"]).ravel(), m["err"].ravel()).statistic
+    print(
+        f"\n[budget {budget}] n={state.context_tokens} layers×heads×draws={m['err'].size}: "
+        f"bound coverage {bound_cov:.3f}, ‖e‖≤1.96√trV̂ {bound_196:.3f}, Wald coverage {wald_cov:.3f}, "
+        f"median rel. error {np.median(rel):.4f}, Spearman(√trV̂, ‖e‖) {rho:.3f}"
+    )
+    assert bound_cov >= 0.93, bound_cov
+    assert 0.6 <= wald_cov <= 0.99, wald_cov
+
+
+def test_poisson_beats_uniform_at_quarter_budget(first_step):
+    state, step = first_step
+    poisson = _measure(state, step, "snapkv", 0.25, seed=12, draws=50)
+    uniform = _measure(state, step, "uniform", 0.25, seed=13, draws=50)
+    med_p = float(np.median(poisson["err"] / poisson["norm"]))
+    med_u = float(np.median(uniform["err"] / uniform["norm"]))
+    med_t = _topk_rel_err(state, step, 0.25)
+    print(f"\n[budget 0.25] median rel. error: poisson {med_p:.4f} / topk {med_t:.4f} / uniform {med_u:.4f}")
+    assert med_p < med_u
+
+
+def test_generate_end_to_end(smollm2):
+    """One short pass-key item: full cache and compressed configurations, with certificate columns."""
+    model, tokenizer = smollm2
+    context, question, answer = passkey_prompt(n_noise=10, n_needles=1, seed=3)
+    full = kvcert.generate(model, tokenizer, context=context, question=question, policy="full", max_new_tokens=7)
+    assert answer in full.text
+    assert len(full.steps) == 0
+    for setting in ("question_aware", "streaming"):
+        res = kvcert.generate(
+            model, tokenizer, context=context, question=question, policy="snapkv", design="poisson",
+            budget=0.5, setting=setting, seed=1, oracle=True, max_new_tokens=4,
+        )
+        steps = res.steps
+        assert list(steps.columns) == [
+            "step", "layer", "kv_head", "trace_var", "cert", "true_err", "rel_cert", "rel_err", "coverage", "wald_coverage",
+        ]
+        n_layers = model.config.num_hidden_layers
+        n_kv = model.config.num_key_value_heads
+        n_steps = len(res.token_ids) - 1 + (0 if setting == "question_aware" else len(tokenizer(question, add_special_tokens=False).input_ids))
+        assert len(steps) == n_steps * n_layers * n_kv
+        assert steps[["trace_var", "cert", "true_err", "coverage"]].notna().all().all()
+        assert float(steps["coverage"].mean()) >= 0.8
+        assert res.cache_bytes / res.full_bytes <= 0.5 + 0.03
+        assert math.isfinite(sum(res.logprobs))
