@@ -68,7 +68,7 @@ def run(cfg: dict) -> claims.ClaimResult:
     return result
 
 
-@hydra.main(version_base="1.3", config_path="../conf/claim", config_name="claim")
+@hydra.main(version_base="1.3", config_path=str(Path(__file__).resolve().parent.parent / "conf" / "claim"), config_name="claim")
 def _app(cfg: DictConfig) -> None:
     try:
         if OmegaConf.is_missing(cfg, "claim"):
