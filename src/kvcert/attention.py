@@ -131,6 +131,11 @@ def kvcert_attention(
         layer.sliding_window, layer.scale = sliding, scale
         _observe(layer, query, key, scale, sliding)
 
+    if not layer.compressed and sliding is None and m == key.shape[-2] and m > 1:
+        # A whole uncompressed prefix at once (the prefill): plain causal attention, no explicit mask.
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
     q_pos = layer.positions[..., -m:]  # (b, kv_heads, m)
     bias = None
     if m > 1 or sliding is not None:
