@@ -105,7 +105,8 @@ def prefill(
     suffix_ids = (suffix_ids if suffix_ids is not None else prefix_ids[:, :0]).to(device)
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     cache = CompressedCache.for_prefill(n_layers, window=window, accumulate=accumulate)
-    out = model(input_ids=prefix_ids, cache=cache, use_cache=True, **{CACHE_KWARG: cache})
+    # Only the last position's logits are needed; the full (n, vocab) matrix would dominate the prefill.
+    out = model(input_ids=prefix_ids, cache=cache, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
     return Prefill(cache, prefix_ids, suffix_ids, out.logits[:, -1].float(), setting)
 
 
@@ -216,7 +217,7 @@ def decode(
         randomized = any(layer.has_tail for layer in cache.layers)
     kwargs = {CACHE_KWARG: cache, "cache": cache, "use_cache": True}
     if state.suffix_ids.shape[-1] > 0:
-        logits = model(input_ids=state.suffix_ids, **kwargs).logits[:, -1].float()
+        logits = model(input_ids=state.suffix_ids, logits_to_keep=1, **kwargs).logits[:, -1].float()
     else:
         logits = state.last_logits
     stop_ids = stop_ids or set()
