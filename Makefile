@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install model test test-fast smoke reproduce lock verify dryrun report test-slurm clean-smoke
+.PHONY: install model test test-fast smoke reproduce lock verify dryrun report test-slurm slurm-up slurm-down clean-smoke
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,18 @@ lock: install
 	$(BIN)/kvcert-prereg lock
 verify: install
 	$(BIN)/kvcert-prereg verify
+
+## The smoke DAG through a real one-node SLURM cluster on 127.0.0.1 (up -> run -> checks -> down).
+## Its claims.csv must equal the local smoke run's.
+test-slurm: smoke
+	PATH="$(abspath $(BIN)):$$PATH" KVCERT_SLURM_REFERENCE_CLAIMS=$(abspath results/smoke/claims.csv) \
+	  KVCERT_SLURM_CONFIG="scale=smoke" KVCERT_SLURM_CLAIMS=results/smoke/claims.csv \
+	  bash workflow/slurm/test-slurm.sh
+
+slurm-up:
+	bash workflow/slurm/cluster-up.sh
+slurm-down:
+	bash workflow/slurm/cluster-down.sh
 
 clean-smoke:
 	rm -rf results/smoke results/smoke-slurm

@@ -42,27 +42,26 @@ def test_unknown_scale_is_one_clear_line():
 @pytest.mark.slow
 @pytest.mark.smollm2
 def test_smoke_dag_end_to_end(tmp_path):
-    out = "results/smoke-test"
+    # The canonical smoke folder (git-ignored), rebuilt from scratch; kept afterwards so that
+    # `make test-slurm` can compare the SLURM run's claims with it.
+    out = "results/smoke"
     shutil.rmtree(ROOT / out, ignore_errors=True)
-    try:
-        proc = snakemake("--cores", "2", "--config", "scale=smoke", f"outdir={out}")
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        claims = pd.read_csv(ROOT / out / "claims.csv")
-        assert sorted(claims["claim"]) == [f"c{i}" for i in range(1, 8)]
-        for column in CLAIM_COLUMNS:
-            assert column in claims.columns
-        assert set(claims["verdict"]) <= {"supported", "not supported", "inconclusive"}
-        figures = sorted((ROOT / out / "figures").glob("*.png"))
-        assert len(figures) >= 5
-        for name in ("claims.md", "claims.tex", "reproduction.csv"):
-            assert (ROOT / out / name).stat().st_size > 0
-        executed = json.loads((ROOT / out / "notebooks" / "claims.ipynb").read_text())
-        assert any(cell.get("outputs") for cell in executed["cells"] if cell["cell_type"] == "code")
-        # A finished DAG is up to date: a rerun schedules nothing.
-        again = snakemake("-n", "--config", "scale=smoke", f"outdir={out}")
-        assert "Nothing to be done" in again.stdout + again.stderr
-        report = snakemake("--report", str(tmp_path / "report.html"), "--config", "scale=smoke", f"outdir={out}")
-        assert report.returncode == 0, report.stderr[-2000:]
-        assert (tmp_path / "report.html").stat().st_size > 10_000
-    finally:
-        shutil.rmtree(ROOT / out, ignore_errors=True)
+    proc = snakemake("--cores", "2", "--config", "scale=smoke", f"outdir={out}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    claims = pd.read_csv(ROOT / out / "claims.csv")
+    assert sorted(claims["claim"]) == [f"c{i}" for i in range(1, 8)]
+    for column in CLAIM_COLUMNS:
+        assert column in claims.columns
+    assert set(claims["verdict"]) <= {"supported", "not supported", "inconclusive"}
+    figures = sorted((ROOT / out / "figures").glob("*.png"))
+    assert len(figures) >= 5
+    for name in ("claims.md", "claims.tex", "reproduction.csv"):
+        assert (ROOT / out / name).stat().st_size > 0
+    executed = json.loads((ROOT / out / "notebooks" / "claims.ipynb").read_text())
+    assert any(cell.get("outputs") for cell in executed["cells"] if cell["cell_type"] == "code")
+    # A finished DAG is up to date: a rerun schedules nothing.
+    again = snakemake("-n", "--config", "scale=smoke", f"outdir={out}")
+    assert "Nothing to be done" in again.stdout + again.stderr
+    report = snakemake("--report", str(tmp_path / "report.html"), "--config", "scale=smoke", f"outdir={out}")
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert (tmp_path / "report.html").stat().st_size > 10_000

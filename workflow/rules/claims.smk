@@ -7,12 +7,12 @@ CLAIM_FIGURES = expand(f"{FIG}/{{claim}}.{{ext}}", claim=CLAIMS, ext=["png", "pd
 
 rule verify_preregistration:
     input:
-        "preregistration/claims.yaml",
-        "preregistration/prereg.lock",
+        f"{REPO}/preregistration/claims.yaml",
+        f"{REPO}/preregistration/prereg.lock",
     output:
         f"{OUT}/logs/preregistration.verified",
     shell:
-        "kvcert-prereg verify > {output}.tmp && mv {output}.tmp {output}"
+        "kvcert-prereg --root {REPO} verify > {output}.tmp && mv {output}.tmp {output}"
 
 
 rule claim:
@@ -33,4 +33,4 @@ rule claim:
         runtime=resource("claim", "runtime", 20),
     shell:
         "kvcert-claim claim={wildcards.claim} 'cells=[{params.cells}]' out={output.json} "
-        "figure_dir={FIG} scale={SCALE_NAME} > {log} 2>&1"
+        "figure_dir={FIG} scale={SCALE_NAME} prereg_root={REPO} > {log} 2>&1"

@@ -5,8 +5,9 @@ from pathlib import Path
 import yaml
 from snakemake.exceptions import WorkflowError
 
+REPO = Path(workflow.basedir)  # the repository; outputs go to the working directory (--directory)
 SCALE_NAME = str(config.get("scale", "default"))
-_scale_file = Path(workflow.basedir) / "workflow" / "scales" / f"{SCALE_NAME}.yaml"
+_scale_file = REPO / "workflow" / "scales" / f"{SCALE_NAME}.yaml"
 if not _scale_file.is_file():
     _known = sorted(p.stem for p in _scale_file.parent.glob("*.yaml"))
     raise WorkflowError(f"--config scale={SCALE_NAME}: unknown scale; known: {', '.join(_known)}")
