@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from .cache import CompressedCache, CompressedLayer, StepRecord, active_cache
-from .estimator import hajek_with_bias, offset_bias, tail_weight
+from .estimator import compute_dtype, hajek_with_bias, offset_bias, tail_weight, value_moments
 
 ATTENTION_NAME = "kvcert"
 CACHE_KWARG = "kvcert_cache"
@@ -72,6 +72,30 @@ def _observe(layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, sca
     if obs.accumulated_attention is not None:
         total[..., : obs.accumulated_attention.shape[-1]] += obs.accumulated_attention
     obs.accumulated_attention = total
+
+
+def _full_attention(grouped_q, layer: CompressedLayer, q_pos, sliding, scale: float, group: int) -> torch.Tensor:
+    """The oracle: the same grouped queries over the uncompressed prefix plus the appended tokens.
+
+    grouped_q: (b, kv_heads, group·m, d); the prefix (1, kv_heads, n, d) is shared by all batch rows, the
+    appended slots are the layer's slots after ``n_prefix_slots``. Returns (b, kv_heads, group·m, dv).
+    """
+    dtype = compute_dtype(grouped_q, layer.prefix_keys)
+    q = grouped_q.to(dtype)
+    k0 = layer.n_prefix_slots
+    parts = ((layer.prefix_keys, layer.prefix_values, torch.arange(layer.prefix_keys.shape[-2], device=q.device)),
+             (layer.keys[:, :, k0:], layer.values[:, :, k0:], layer.positions[:, :, k0:]))
+    logits = []
+    for keys, _, positions in parts:
+        block = torch.matmul(q, keys.to(dtype).transpose(-1, -2)) * scale
+        if q_pos.shape[-1] > 1 or sliding is not None:
+            block = block + _group(_mask_bias(_allowed(positions, q_pos, sliding), dtype), group)
+        logits.append(block)
+    weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+    n = layer.prefix_keys.shape[-2]
+    return torch.matmul(weights[..., :n], layer.prefix_values.to(dtype)) + torch.matmul(
+        weights[..., n:], parts[1][1].to(dtype)
+    )
 
 
 def _record(cache, layer, layer_idx, q_pos, out, var, full_out, group, m):
@@ -147,14 +171,17 @@ def kvcert_attention(
     grouped_bias = _group(bias, group) if bias is not None else None
 
     if layer.compressed and (cache.certify or cache.oracle):
-        one_minus_pi = tail_weight(layer.log_pi).unsqueeze(-2) if layer.has_tail else torch.zeros(1)
-        out, var = hajek_with_bias(grouped_q, key, value, grouped_bias, one_minus_pi, scale)
+        if layer.tail_moments is None:
+            # Only the slots present at compression can have π < 1 (appended tokens are certain), and they
+            # never change: their 1 − π and centered values are computed once per derived layer.
+            k0 = layer.n_prefix_slots
+            prefix_values = value[..., :k0, :].to(torch.float64 if value.dtype == torch.float64 else torch.float32)
+            layer.tail_moments = (tail_weight(layer.log_pi[..., :k0]).unsqueeze(-2), value_moments(prefix_values))
+        one_minus_pi, moments = layer.tail_moments
+        out, var = hajek_with_bias(grouped_q, key, value, grouped_bias, one_minus_pi, scale, moments=moments)
         full_out = None
-        if cache.oracle and layer.full_keys is not None:
-            n_full = layer.full_keys.shape[-2]
-            full_pos = torch.arange(n_full, device=key.device)
-            full_bias = _group(_mask_bias(_allowed(full_pos, q_pos, sliding), torch.float32), group)
-            full_out, _ = hajek_with_bias(grouped_q, layer.full_keys, layer.full_values, full_bias, None, scale)
+        if cache.oracle and layer.prefix_keys is not None:
+            full_out = _full_attention(grouped_q, layer, q_pos, sliding, scale, group)
         _record(cache, layer, module.layer_idx, q_pos, out, var, full_out, group, m)
     elif grouped_bias is None and m > 1:
         out = F.scaled_dot_product_attention(grouped_q, key, value, is_causal=True, scale=scale)

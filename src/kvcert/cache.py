@@ -5,7 +5,8 @@ together with the slots' original positions, so RoPE'd keys keep their positions
 positions that continue the original sequence (``get_seq_length`` reports the logical length). The
 kvcert attention function (``kvcert.attention``) reads ``log_pi`` and ``positions`` to apply the Hájek
 offset and the causal / sliding-window mask. In oracle mode the uncompressed keys and values are kept
-beside the compressed ones so that every step can be compared against full attention.
+beside the compressed ones so that every step can be compared against full attention. One cache can
+hold several configurations of the same prompt as batch rows, decoded together.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .designs import Selection
@@ -65,7 +67,11 @@ class StepRecord:
 
 
 class CompressedLayer(CacheLayerMixin):
-    """One layer: keys/values (batch, kv_heads, slots, head_dim), log_pi and positions (batch, kv_heads, slots)."""
+    """One layer: keys/values (batch, kv_heads, slots, head_dim), log_pi and positions (batch, kv_heads, slots).
+
+    The batch holds one configuration per row (rows padded to the longest with log π = −inf). Slots live in
+    buffers with spare capacity, so appending a token writes in place instead of copying the cache.
+    """
 
     is_compileable = False
     is_croppable = False
@@ -79,34 +85,63 @@ class CompressedLayer(CacheLayerMixin):
         self.log_pi: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.length = 0
-        self.full_keys: torch.Tensor | None = None
-        self.full_values: torch.Tensor | None = None
+        self.filled = 0
+        self._buffers: tuple[torch.Tensor, ...] | None = None  # keys, values, log_pi, positions
+        # Oracle: the uncompressed prefix (1, kv_heads, n, head_dim); appended tokens are the slots after
+        # n_prefix_slots, shared by the compressed and the full view.
+        self.prefix_keys: torch.Tensor | None = None
+        self.prefix_values: torch.Tensor | None = None
+        self.n_prefix_slots = 0
         self.has_tail = False
         self.compressed = False
+        self.tail_moments = None  # (1 − π, value moments) of the compressed slots, set by the attention function
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h = key_states.shape[:2]
         self.device = key_states.device
-        self.keys = key_states[..., :0, :]
-        self.values = value_states[..., :0, :]
-        self.log_pi = torch.zeros((b, h, 0), dtype=torch.float32, device=self.device)
-        self.positions = torch.zeros((b, h, 0), dtype=torch.long, device=self.device)
+        self._allocate(
+            key_states[..., :0, :], value_states[..., :0, :],
+            torch.zeros((b, h, 0), dtype=torch.float32, device=self.device),
+            torch.zeros((b, h, 0), dtype=torch.long, device=self.device),
+            capacity=key_states.shape[-2],
+        )
         self.is_initialized = True
+
+    def _allocate(self, keys, values, log_pi, positions, capacity: int) -> None:
+        """Copy the given slots into fresh buffers with room for ``capacity`` slots."""
+        filled = keys.shape[-2]
+        capacity = max(capacity, filled)
+        buffers = []
+        for t in (keys, values, log_pi, positions):
+            shape = (*t.shape[:2], capacity, *t.shape[3:])
+            buf = torch.empty(shape, dtype=t.dtype, device=t.device)
+            buf[:, :, :filled] = t
+            buffers.append(buf)
+        self._buffers = tuple(buffers)
+        self.filled = filled
+        self._expose()
+
+    def _expose(self) -> None:
+        k, v, lp, pos = self._buffers
+        self.keys, self.values = k[:, :, : self.filled], v[:, :, : self.filled]
+        self.log_pi, self.positions = lp[:, :, : self.filled], pos[:, :, : self.filled]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append m new tokens (batch, kv_heads, m, head_dim) as certain slots; return all slots."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        b, h, m, _ = key_states.shape
-        new_positions = torch.arange(self.length, self.length + m, device=self.device).expand(b, h, m)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.log_pi = torch.cat([self.log_pi, self.log_pi.new_zeros((b, h, m))], dim=-1)
-        self.positions = torch.cat([self.positions, new_positions], dim=-1)
-        if self.full_keys is not None:
-            self.full_keys = torch.cat([self.full_keys, key_states], dim=-2)
-            self.full_values = torch.cat([self.full_values, value_states], dim=-2)
+        m = key_states.shape[-2]
+        if self.filled + m > self._buffers[0].shape[2]:
+            self._allocate(self.keys, self.values, self.log_pi, self.positions, max(2 * self.filled, self.filled + m))
+        k, v, lp, pos = self._buffers
+        end = self.filled + m
+        k[:, :, self.filled : end] = key_states
+        v[:, :, self.filled : end] = value_states
+        lp[:, :, self.filled : end] = 0.0
+        pos[:, :, self.filled : end] = torch.arange(self.length, self.length + m, device=self.device)
+        self.filled = end
         self.length += m
+        self._expose()
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -118,34 +153,40 @@ class CompressedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held for attention (keys, values, log π, positions); the oracle copy is not counted."""
-        tensors = (self.keys, self.values, self.log_pi, self.positions)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    def derive(self, selections: list[Selection | None], oracle: bool, reserve: int = 0) -> CompressedLayer:
+        """A new layer with one row per configuration; this (prefill, batch 1) layer is left untouched.
 
-    def derive(self, selection: Selection | None, oracle: bool) -> CompressedLayer:
-        """A new layer holding this layer's slots, or only ``selection``'s; this layer is left untouched.
-
-        selection.index/log_pi: (batch, kv_heads, k). None keeps every slot (the full cache).
+        selections: per row a Selection (index/log_pi (1, kv_heads, k_r)) or None for every slot (the full
+        cache). Rows are padded to the longest; ``reserve`` slots of capacity are kept for appended tokens.
         """
+        n = self.filled
+        rows = []
+        for sel in selections:
+            if sel is None:
+                index = torch.arange(n, device=self.device).expand(1, self.keys.shape[1], n)
+                log_pi = torch.zeros(index.shape, dtype=torch.float32, device=self.device)
+            else:
+                index, log_pi = sel.index.to(self.device), sel.log_pi.to(self.device)
+            rows.append((index, log_pi))
+        k_max = max(index.shape[-1] for index, _ in rows)
+        index = torch.cat([F.pad(i, (0, k_max - i.shape[-1])) for i, _ in rows])
+        log_pi = torch.cat([F.pad(lp, (0, k_max - lp.shape[-1]), value=float("-inf")) for _, lp in rows])
+        batch = len(rows)
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            expanded = t.expand(batch, *t.shape[1:])
+            if t.ndim == 4:
+                return expanded.gather(2, index.unsqueeze(-1).expand(*index.shape, t.shape[-1]))
+            return expanded.gather(2, index)
+
         layer = CompressedLayer(self.sliding_window)
-        layer.scale = self.scale
-        layer.device, layer.length, layer.is_initialized = self.device, self.length, True
-        if selection is None:
-            layer.keys, layer.values = self.keys, self.values
-            layer.log_pi, layer.positions = self.log_pi, self.positions
-        else:
-            index = selection.index.to(self.device)
-            gather = index.unsqueeze(-1).expand(*index.shape, self.keys.shape[-1])
-            layer.keys = self.keys.gather(-2, gather)
-            layer.values = self.values.gather(-2, index.unsqueeze(-1).expand(*index.shape, self.values.shape[-1]))
-            layer.log_pi = selection.log_pi.to(self.device)
-            layer.positions = self.positions.gather(-1, index)
-            layer.compressed = True
-            layer.has_tail = bool(((layer.log_pi < 0) & torch.isfinite(layer.log_pi)).any())
-            if oracle:
-                layer.full_keys, layer.full_values = self.keys, self.values
+        layer.scale, layer.device, layer.length, layer.is_initialized = self.scale, self.device, self.length, True
+        layer._allocate(gather(self.keys), gather(self.values), log_pi, gather(self.positions), k_max + reserve)
+        layer.n_prefix_slots = k_max
+        layer.compressed = any(sel is not None for sel in selections)
+        layer.has_tail = bool(((log_pi < 0) & torch.isfinite(log_pi)).any())
+        if oracle and layer.compressed:
+            layer.prefix_keys, layer.prefix_values = self.keys, self.values
         return layer
 
 
@@ -175,16 +216,23 @@ class CompressedCache(Cache):
         return cls(layers)
 
     def derive(
-        self, selections: list[Selection | None] | None, *, certify: bool = False, oracle: bool = False
+        self,
+        configurations: list[list[Selection] | None],
+        *,
+        certify: bool = False,
+        oracle: bool = False,
+        reserve: int = 0,
     ) -> CompressedCache:
-        """A new cache for one configuration; ``selections`` per layer (None: the full cache)."""
-        selections = selections if selections is not None else [None] * len(self.layers)
-        layers = [layer.derive(sel, oracle=oracle) for layer, sel in zip(self.layers, selections)]
-        return CompressedCache(layers, certify=certify, oracle=oracle)
+        """A new cache with one batch row per configuration; this (prefill) cache is left untouched.
 
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        configurations: per row, the per-layer Selections, or None for the full cache. ``reserve``: slots
+        of spare capacity for the tokens that will be appended.
+        """
+        layers = [
+            layer.derive([None if rows is None else rows[i] for rows in configurations], oracle=oracle, reserve=reserve)
+            for i, layer in enumerate(self.layers)
+        ]
+        return CompressedCache(layers, certify=certify, oracle=oracle)
 
 
 __all__ = ["CompressedCache", "CompressedLayer", "Observation", "StepRecord", "active_cache"]

@@ -53,17 +53,24 @@ def hajek_with_bias(
     bias: torch.Tensor,
     one_minus_pi: torch.Tensor | None,
     scale: float,
+    moments: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Hájek output and per-coordinate variance for arbitrary additive logit biases.
 
     q: (..., m, d); k: (..., n, d); v: (..., n, dv); bias: broadcastable to (..., m, n), holding −log π plus
     any −inf mask (causal, sliding window, non-retained); one_minus_pi: broadcastable to (..., m, n) or None
-    when no variance is wanted. Returns out (..., m, dv) and var (..., m, dv) or None, in float32/float64.
+    when no variance is wanted; bias may be None (no mask, no offset). moments: optional precomputed
+    ``value_moments(v[..., :k, :])`` when only the first k slots can have π < 1 (a compressed cache whose
+    later slots are certain appended tokens); one_minus_pi then covers those k slots only, and the variance
+    is reduced over them without touching the other slots.
+    Returns out (..., m, dv) and var (..., m, dv) or None, in float32/float64.
     Raises EmptyRetainedSetError if some row has no finite logit.
     """
     dtype = compute_dtype(q, k, v)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scale + bias.to(dtype)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        logits = logits + bias.to(dtype)
     row_max = logits.amax(dim=-1, keepdim=True)
     if not bool(torch.isfinite(row_max).all()):
         raise EmptyRetainedSetError("an attention row has no retained slot (all logits are -inf or NaN)")
@@ -71,14 +78,26 @@ def hajek_with_bias(
     out = torch.matmul(weights, v)
     if one_minus_pi is None:
         return out, None
-    c = weights.square() * one_minus_pi.to(dtype)
-    # Centering v on its mean over slots keeps the expanded form Σc v² − 2ô Σc v + ô² Σc free of
-    # catastrophic cancellation without materializing an (m, n, dv) tensor.
+    if moments is None:
+        center, vc, vc2 = value_moments(v)
+        c = weights.square() * one_minus_pi.to(dtype)
+    else:
+        center, vc, vc2 = moments
+        c = weights[..., : vc.shape[-2]].square() * one_minus_pi.to(dtype)
+    oc = out - center
+    var = torch.matmul(c, vc2) - 2.0 * oc * torch.matmul(c, vc) + oc.square() * c.sum(-1, keepdim=True)
+    return out, var.clamp_min(0.0)
+
+
+def value_moments(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(center, v − center, (v − center)²) for v (..., n, dv), center = mean over slots (..., 1, dv).
+
+    Centering keeps the expanded variance Σc v² − 2ô Σc v + ô² Σc free of catastrophic cancellation
+    without materializing an (m, n, dv) tensor.
+    """
     center = v.mean(dim=-2, keepdim=True)
     vc = v - center
-    oc = out - center
-    var = torch.matmul(c, vc.square()) - 2.0 * oc * torch.matmul(c, vc) + oc.square() * c.sum(-1, keepdim=True)
-    return out, var.clamp_min(0.0)
+    return center, vc, vc.square()
 
 
 def hajek_attention(

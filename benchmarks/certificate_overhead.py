@@ -1,0 +1,109 @@
+"""Decode-step cost of the certificate on SmolLM2-135M-Instruct.
+
+Configurations, all on one shared prefill per context (question-aware pass-key prompt):
+  (a) full cache; (b) compressed, deterministic ``topk``; (c) compressed ``poisson`` with the Hájek offset
+  (certify=False, oracle=False); (d) = (c) + certificate (certify=True); (e) = (d) + oracle (true error).
+They are timed side by side: every repetition runs each configuration once, round-robin, after a warm-up
+round; the table reports the median milliseconds per decode step (total decode time / forward steps),
+the ratios d/c and e/c, and the bytes of the compressed prefix cache over the full one.
+
+    python benchmarks/certificate_overhead.py [--contexts 1000 4000] [--budget 0.25] [--reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import kvcert
+from kvcert.theory import passkey_prompt
+
+CONFIGS = ("a_full", "b_topk", "c_poisson", "d_poisson_cert", "e_poisson_cert_oracle")
+
+
+def prompt_ids(tokenizer, target_tokens: int, seed: int = 0) -> torch.Tensor:
+    """(1, n) ids of a pass-key prompt (context + question) with about ``target_tokens`` tokens."""
+    per_paragraph = len(tokenizer(passkey_prompt(n_noise=20, seed=seed)[0]).input_ids) / 24.0
+    n_noise = max(4, round(target_tokens / per_paragraph) - 4)
+    context, question, _ = passkey_prompt(n_noise=n_noise, n_needles=4, seed=seed)
+    return tokenizer(context + question, return_tensors="pt").input_ids
+
+
+def run_config(model, state, name, selections, new_tokens):
+    """One decode of ``new_tokens`` tokens; returns (seconds per forward step, Decoded)."""
+    kwargs = {
+        "a_full": dict(certify=False, oracle=False),
+        "b_topk": dict(certify=False, oracle=False),
+        "c_poisson": dict(certify=False, oracle=False),
+        "d_poisson_cert": dict(certify=True, oracle=False),
+        "e_poisson_cert_oracle": dict(certify=True, oracle=True),
+    }[name]
+    start = time.perf_counter()
+    decoded = kvcert.decode(model, state, selections, max_new_tokens=new_tokens, stop_ids=set(), **kwargs)
+    elapsed = time.perf_counter() - start
+    return elapsed / max(1, len(decoded.token_ids) - 1), decoded
+
+
+def benchmark(model, tokenizer, context_tokens: int, budget: float, reps: int, new_tokens: int) -> dict:
+    ids = prompt_ids(tokenizer, context_tokens)
+    state = kvcert.prefill(model, ids)
+    selections = {
+        "a_full": None,
+        "b_topk": kvcert.select(state, "snapkv", "topk", budget, seed=0),
+        "c_poisson": kvcert.select(state, "snapkv", "poisson", budget, seed=0),
+    }
+    selections["d_poisson_cert"] = selections["e_poisson_cert_oracle"] = selections["c_poisson"]
+    times = {name: [] for name in CONFIGS}
+    decoded = {}
+    for rep in range(reps + 1):  # round 0 is the warm-up
+        for name in CONFIGS:
+            per_step, decoded[name] = run_config(model, state, name, selections[name], new_tokens)
+            if rep > 0:
+                times[name].append(per_step)
+    # Same retained sets and offsets: the certificate and oracle must not change the generated tokens.
+    assert decoded["c_poisson"].token_ids == decoded["d_poisson_cert"].token_ids == decoded["e_poisson_cert_oracle"].token_ids
+    med = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return {
+        "context_tokens": state.context_tokens,
+        "ms_per_step": med,
+        "d_over_c": med["d_poisson_cert"] / med["c_poisson"],
+        "e_over_c": med["e_poisson_cert_oracle"] / med["c_poisson"],
+        "bytes_ratio_topk": decoded["b_topk"].cache_bytes / decoded["b_topk"].full_bytes,
+        "bytes_ratio_poisson": decoded["c_poisson"].cache_bytes / decoded["c_poisson"].full_bytes,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1000, 4000])
+    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default="smollm2")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = kvcert.load_model(args.model)
+    kvcert.prepare_model(model)
+    rows = [benchmark(model, tokenizer, n, args.budget, args.reps, args.new_tokens) for n in args.contexts]
+
+    print(f"\nbudget {args.budget}, {args.new_tokens} new tokens, median of {args.reps} round-robin repetitions, "
+          f"{args.threads} threads")
+    header = ["context", *[c.split("_", 1)[0] + " ms/step" for c in CONFIGS], "d/c", "e/c", "bytes topk", "bytes poisson"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        cells = [str(r["context_tokens"]), *[f"{r['ms_per_step'][c]:.1f}" for c in CONFIGS],
+                 f"{r['d_over_c']:.3f}", f"{r['e_over_c']:.3f}", f"{r['bytes_ratio_topk']:.3f}", f"{r['bytes_ratio_poisson']:.3f}"]
+        print("| " + " | ".join(cells) + " |")
+    print("(a) full cache, (b) topk, (c) poisson + offset, (d) (c) + certificate, (e) (d) + oracle; "
+          f"targets: d/c <= 1.10, bytes <= budget + 0.03 = {args.budget + 0.03:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
