@@ -216,6 +216,12 @@ class CompressedCache(Cache):
         return cls(layers)
 
     def derive(
+        self, selections: list[Selection] | None, *, certify: bool = False, oracle: bool = False, reserve: int = 0
+    ) -> CompressedCache:
+        """A new cache for one configuration: per-layer ``selections``, or None for the full cache."""
+        return self.derive_batch([selections], certify=certify, oracle=oracle, reserve=reserve)
+
+    def derive_batch(
         self,
         configurations: list[list[Selection] | None],
         *,

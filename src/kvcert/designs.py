@@ -40,6 +40,11 @@ class Selection:
         """(batch, kv_heads) number of retained (non-padding) slots."""
         return torch.isfinite(self.log_pi).sum(-1)
 
+    @property
+    def has_tail(self) -> bool:
+        """Whether some retained slot was sampled (π < 1): the design then has a certificate."""
+        return bool(((self.log_pi < 0) & torch.isfinite(self.log_pi)).any())
+
 
 @dataclass(frozen=True)
 class DesignOptions:

@@ -147,32 +147,29 @@ class Decoded:
     text: str = ""
 
 
-def _steps_frame(cache: CompressedCache, delta: float, randomized: bool) -> pd.DataFrame:
-    """Flatten the cache's StepRecords (batch 1) into STEP_COLUMNS."""
-    if not cache.records:
-        return pd.DataFrame({c: pd.Series(dtype="float64") for c in STEP_COLUMNS})
+def _steps_frame(cache: CompressedCache, row: int, delta: float, randomized: bool, limit: int) -> pd.DataFrame:
+    """Flatten batch row ``row`` of the cache's StepRecords into STEP_COLUMNS, keeping steps < limit."""
     parts = []
     for rec in cache.records:
         h, m = rec.trace_var.shape[1:]
-        trace = rec.trace_var[0].cpu().double().numpy()  # (h, m)
-        norm = rec.out_norm[0].cpu().double().numpy()
-        err = rec.true_err[0].cpu().double().numpy() if rec.true_err is not None else np.full((h, m), np.nan)
-        wald = rec.wald_coverage[0].cpu().double().numpy() if rec.wald_coverage is not None else np.full((h, m), np.nan)
-        cert = np.sqrt(trace / delta) if randomized else np.full((h, m), np.nan)
+        if rec.first_step >= limit:
+            continue
+        trace = rec.trace_var[row].cpu().double().numpy()  # (h, m)
+        norm = rec.out_norm[row].cpu().double().numpy()
+        missing = np.full((h, m), np.nan)
+        err = rec.true_err[row].cpu().double().numpy() if rec.true_err is not None else missing
+        wald = rec.wald_coverage[row].cpu().double().numpy() if rec.wald_coverage is not None and randomized else missing
+        cert = np.sqrt(trace / delta) if randomized else missing
         heads, steps = np.meshgrid(np.arange(h), rec.first_step + np.arange(m), indexing="ij")
-        parts.append(
-            {
-                "step": steps.ravel(),
-                "layer": np.full(h * m, rec.layer),
-                "kv_head": heads.ravel(),
-                "trace_var": trace.ravel(),
-                "cert": cert.ravel(),
-                "true_err": err.ravel(),
-                "out_norm": norm.ravel(),
-                "wald_coverage": wald.ravel() if randomized else np.full(h * m, np.nan),
-            }
-        )
+        parts.append({
+            "step": steps.ravel(), "layer": np.full(h * m, rec.layer), "kv_head": heads.ravel(),
+            "trace_var": trace.ravel(), "cert": cert.ravel(), "true_err": err.ravel(), "out_norm": norm.ravel(),
+            "wald_coverage": wald.ravel(),
+        })
+    if not parts:
+        return pd.DataFrame({c: pd.Series(dtype="float64") for c in STEP_COLUMNS})
     frame = pd.DataFrame({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+    frame = frame[frame["step"] < limit]
     safe_norm = frame["out_norm"].where(frame["out_norm"] > 0)
     frame["rel_cert"] = frame["cert"] / safe_norm
     frame["rel_err"] = frame["true_err"] / safe_norm
@@ -191,7 +188,91 @@ def eos_ids(model, tokenizer=None) -> set[int]:
     return ids
 
 
+def _footprint(state: Prefill, selections: list[Selection] | None) -> tuple[float, int, int]:
+    """(mean retained prefix slots per layer and KV head, compressed bytes, full bytes) of one configuration.
+
+    Bytes count what the configuration holds alone: keys, values, log π and positions of its padded slots.
+    """
+    retained, compressed, full = [], 0, 0
+    for i, layer in enumerate(state.cache.layers):
+        h = layer.keys.shape[1]
+        per_slot = h * (layer.keys.shape[-1] * layer.keys.element_size() + layer.values.shape[-1]
+                        * layer.values.element_size() + layer.log_pi.element_size() + layer.positions.element_size())
+        n = layer.keys.shape[-2]
+        full += n * per_slot
+        if selections is None:
+            retained.append(float(n))
+            compressed += n * per_slot
+        else:
+            retained.append(float(selections[i].retained.float().mean()))
+            compressed += selections[i].index.shape[-1] * per_slot
+    return float(np.mean(retained)), compressed, full
+
+
 @torch.no_grad()
+def decode_batch(
+    model,
+    state: Prefill,
+    configurations: list[list[Selection] | None],
+    *,
+    max_new_tokens: int = 16,
+    stop_ids: set[int] | None = None,
+    certify: bool = True,
+    oracle: bool = False,
+    delta: float = DEFAULT_DELTA,
+    randomized: list[bool] | None = None,
+) -> list[Decoded]:
+    """Greedy generation for several configurations of one prompt at once, one batch row each.
+
+    configurations: per row, the per-layer Selections (from ``select``) or None for the full cache. The
+    model's weights are read once per step for all rows, which is what makes a cell cheap. In the streaming
+    setting the suffix (question) is fed first, attending to the compressed cache; its positions carry
+    certificates like generated tokens do. randomized: per row, whether the design has a certificate
+    (default: some layer of the row has a Poisson tail).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if not configurations:
+        return []
+    rows = len(configurations)
+    any_compressed = any(c is not None for c in configurations)
+    suffix = state.suffix_ids
+    cache = state.cache.derive_batch(configurations, certify=certify and any_compressed, oracle=oracle and any_compressed,
+                               reserve=suffix.shape[-1] + max_new_tokens)
+    if randomized is None:
+        randomized = [c is not None and any(sel.has_tail for sel in c) for c in configurations]
+    kwargs = {CACHE_KWARG: cache, "cache": cache, "use_cache": True}
+    if suffix.shape[-1] > 0:
+        logits = model(input_ids=suffix.expand(rows, -1), logits_to_keep=1, **kwargs).logits[:, -1].float()
+    else:
+        logits = state.last_logits.expand(rows, -1)
+    stop_ids = stop_ids or set()
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    logprobs: list[list[float]] = [[] for _ in range(rows)]
+    done = [False] * rows
+    for step in range(max_new_tokens):
+        log_probs = torch.log_softmax(logits, dim=-1)
+        chosen = torch.argmax(log_probs, dim=-1)
+        picked = log_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+        for r in range(rows):
+            if not done[r]:
+                tokens[r].append(int(chosen[r]))
+                logprobs[r].append(float(picked[r]))
+                done[r] = tokens[r][-1] in stop_ids or len(tokens[r]) == max_new_tokens
+        if all(done):
+            break
+        logits = model(input_ids=chosen.unsqueeze(-1).to(state.prefix_ids.device), **kwargs).logits[:, -1].float()
+    out = []
+    for r, selections in enumerate(configurations):
+        retained, cache_bytes, full_bytes = _footprint(state, selections)
+        # Steps attending to the compressed cache: the suffix, then every generated token but the last.
+        limit = suffix.shape[-1] + len(tokens[r]) - 1
+        steps = _steps_frame(cache, r, delta, randomized[r], limit) if selections is not None else _steps_frame(
+            CompressedCache([]), 0, delta, False, 0)
+        out.append(Decoded(tokens[r], logprobs[r], steps, retained, cache_bytes, full_bytes))
+    return out
+
+
 def decode(
     model,
     state: Prefill,
@@ -204,59 +285,11 @@ def decode(
     delta: float = DEFAULT_DELTA,
     randomized: bool | None = None,
 ) -> Decoded:
-    """Greedy generation on a cache derived from ``state`` (``selections`` None: the full cache).
-
-    In the streaming setting the suffix (question) is fed first, attending to the compressed cache; its
-    positions carry certificates like generated tokens do. randomized: whether the design has a
-    certificate (defaults to: some layer has a Poisson tail).
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    cache = state.cache.derive(selections, certify=certify and selections is not None, oracle=oracle and selections is not None)
-    if randomized is None:
-        randomized = any(layer.has_tail for layer in cache.layers)
-    kwargs = {CACHE_KWARG: cache, "cache": cache, "use_cache": True}
-    if state.suffix_ids.shape[-1] > 0:
-        logits = model(input_ids=state.suffix_ids, logits_to_keep=1, **kwargs).logits[:, -1].float()
-    else:
-        logits = state.last_logits
-    stop_ids = stop_ids or set()
-    tokens, logprobs = [], []
-    for step in range(max_new_tokens):
-        log_probs = torch.log_softmax(logits[0], dim=-1)
-        token = int(torch.argmax(log_probs))
-        tokens.append(token)
-        logprobs.append(float(log_probs[token]))
-        if token in stop_ids or step == max_new_tokens - 1:
-            break
-        next_ids = torch.tensor([[token]], device=state.prefix_ids.device)
-        logits = model(input_ids=next_ids, **kwargs).logits[:, -1].float()
-    prefix_slots = [torch.isfinite(layer.log_pi[..., : _n_prefix_slots(layer, state)]).sum(-1).float().mean() for layer in cache.layers]
-    return Decoded(
-        token_ids=tokens,
-        logprobs=logprobs,
-        steps=_steps_frame(cache, delta, randomized),
-        retained_tokens=float(torch.stack(prefix_slots).mean()),
-        cache_bytes=_prefix_bytes(cache, state),
-        full_bytes=_prefix_bytes(state.cache.derive(None), state),
-    )
-
-
-def _n_prefix_slots(layer, state: Prefill) -> int:
-    """Slots that hold prefix tokens: all but those appended after compression."""
-    appended = layer.length - state.context_tokens
-    return layer.keys.shape[-2] - appended
-
-
-def _prefix_bytes(cache: CompressedCache, state: Prefill) -> int:
-    """Bytes of the prefix slots (keys, values, log π, positions) summed over layers."""
-    total = 0
-    for layer in cache.layers:
-        k = _n_prefix_slots(layer, state)
-        for t in (layer.keys, layer.values, layer.log_pi, layer.positions):
-            slot_dim = -2 if t.ndim == 4 else -1
-            total += t.narrow(slot_dim, 0, k).numel() * t.element_size()
-    return total
+    """Greedy generation of one configuration (``selections`` None: the full cache); see ``decode_batch``."""
+    return decode_batch(
+        model, state, [selections], max_new_tokens=max_new_tokens, stop_ids=stop_ids, certify=certify,
+        oracle=oracle, delta=delta, randomized=None if randomized is None else [randomized],
+    )[0]
 
 
 @dataclass
