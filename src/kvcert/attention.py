@@ -74,6 +74,16 @@ def _observe(layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, sca
     obs.accumulated_attention = total
 
 
+def _shared_matmul(x: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """x (b, h, r, c) @ shared (1, h, c, s) -> (b, h, r, s), folding the batch into rows.
+
+    Broadcasting a batch-1 operand makes torch.matmul copy it once per row; folding avoids the copies.
+    """
+    b, h, r, c = x.shape
+    folded = x.transpose(0, 1).reshape(1, h, b * r, c)
+    return torch.matmul(folded, shared).reshape(h, b, r, -1).transpose(0, 1)
+
+
 def _full_attention(grouped_q, layer: CompressedLayer, q_pos, sliding, scale: float, group: int) -> torch.Tensor:
     """The oracle: the same grouped queries over the uncompressed prefix plus the appended tokens.
 
@@ -83,18 +93,17 @@ def _full_attention(grouped_q, layer: CompressedLayer, q_pos, sliding, scale: fl
     dtype = compute_dtype(grouped_q, layer.prefix_keys)
     q = grouped_q.to(dtype)
     k0 = layer.n_prefix_slots
-    parts = ((layer.prefix_keys, layer.prefix_values, torch.arange(layer.prefix_keys.shape[-2], device=q.device)),
-             (layer.keys[:, :, k0:], layer.values[:, :, k0:], layer.positions[:, :, k0:]))
-    logits = []
-    for keys, _, positions in parts:
-        block = torch.matmul(q, keys.to(dtype).transpose(-1, -2)) * scale
-        if q_pos.shape[-1] > 1 or sliding is not None:
-            block = block + _group(_mask_bias(_allowed(positions, q_pos, sliding), dtype), group)
-        logits.append(block)
-    weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
     n = layer.prefix_keys.shape[-2]
-    return torch.matmul(weights[..., :n], layer.prefix_values.to(dtype)) + torch.matmul(
-        weights[..., n:], parts[1][1].to(dtype)
+    need_mask = q_pos.shape[-1] > 1 or sliding is not None
+    prefix = _shared_matmul(q, layer.prefix_keys.to(dtype).transpose(-1, -2)) * scale
+    if need_mask:
+        prefix = prefix + _group(_mask_bias(_allowed(torch.arange(n, device=q.device), q_pos, sliding), dtype), group)
+    appended = torch.matmul(q, layer.keys[:, :, k0:].to(dtype).transpose(-1, -2)) * scale
+    if need_mask:
+        appended = appended + _group(_mask_bias(_allowed(layer.positions[:, :, k0:], q_pos, sliding), dtype), group)
+    weights = torch.softmax(torch.cat([prefix, appended], dim=-1), dim=-1)
+    return _shared_matmul(weights[..., :n], layer.prefix_values.to(dtype)) + torch.matmul(
+        weights[..., n:], layer.values[:, :, k0:].to(dtype)
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 import zlib
@@ -21,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..data import Item, is_correct, load_items, score_item
-from ..generation import FULL, Prefill, decode, eos_ids, prefill, select
+from ..generation import FULL, Prefill, decode_batch, eos_ids, prefill, select
 from ..models import ModelSpec, load_model
 from ..policies import get_policy
 from .config import CellConfig, ConfigError, Configuration, validate
@@ -96,6 +97,16 @@ def dataset_hash(items: list[Item]) -> str:
     return digest.hexdigest()
 
 
+def batches(configurations: list[Configuration]) -> list[list[Configuration]]:
+    """Configurations decoded together: the full cache alone (so its rows never depend on what else a cell
+    runs), then one batch per budget (rows of one budget have similar slot counts, so little padding)."""
+    groups: dict[float, list[Configuration]] = {}
+    for conf in configurations:
+        if not conf.is_full:
+            groups.setdefault(conf.budget, []).append(conf)
+    return [[c for c in configurations if c.is_full], *groups.values()]
+
+
 def run_item(model, tokenizer, item: Item, cell: CellConfig, limit: int, meta: dict, timings: dict):
     """All configurations of one item from one prefill: (item rows, step frame)."""
     max_new = int(item.max_new_tokens)
@@ -106,29 +117,32 @@ def run_item(model, tokenizer, item: Item, cell: CellConfig, limit: int, meta: d
     timings["prefill"] += time.perf_counter() - start
     stop = eos_ids(model, tokenizer)
     rows, steps = [], []
-    for conf in cell.configurations():
+    for group in batches(cell.configurations()):
         start = time.perf_counter()
-        selections = None if conf.is_full else select(
-            state, conf.policy, conf.design, conf.budget, derive_seed(conf.seed, item.id), cell.options
-        )
-        decoded = decode(
+        selections = [
+            None if conf.is_full else select(
+                state, conf.policy, conf.design, conf.budget, derive_seed(conf.seed, item.id), cell.options)
+            for conf in group
+        ]
+        decoded_group = decode_batch(
             model, state, selections, max_new_tokens=max_new, stop_ids=stop, certify=cell.certify,
-            oracle=cell.oracle, delta=cell.delta, randomized=conf.design == "poisson",
+            oracle=cell.oracle, delta=cell.delta, randomized=[conf.design == "poisson" for conf in group],
         )
         timings["decode"] += time.perf_counter() - start
-        prediction = tokenizer.decode(decoded.token_ids, skip_special_tokens=True)
-        score = float(score_item(item, prediction))
-        keys = {"item_id": item.id, "policy": conf.policy, "design": conf.design, "budget": conf.budget,
-                "seed": conf.seed, "setting": cell.setting}
-        rows.append({
-            **keys, "task": item.task, "prediction": prediction, "score": score,
-            "correct": bool(is_correct(score, item.metric)), **logprob_summary(decoded.logprobs),
-            **summarize_steps(decoded.steps), "retained_tokens": decoded.retained_tokens,
-            "context_tokens": state.context_tokens, "new_tokens": len(decoded.token_ids),
-            "cache_bytes": decoded.cache_bytes, "full_bytes": decoded.full_bytes, "metric": item.metric, **meta,
-        })
-        if len(decoded.steps):
-            steps.append(tag_steps(decoded.steps, keys))
+        for conf, decoded in zip(group, decoded_group):
+            prediction = tokenizer.decode(decoded.token_ids, skip_special_tokens=True)
+            score = float(score_item(item, prediction))
+            keys = {"item_id": item.id, "policy": conf.policy, "design": conf.design, "budget": conf.budget,
+                    "seed": conf.seed, "setting": cell.setting}
+            rows.append({
+                **keys, "task": item.task, "prediction": prediction, "score": score,
+                "correct": bool(is_correct(score, item.metric)), **logprob_summary(decoded.logprobs),
+                **summarize_steps(decoded.steps), "retained_tokens": decoded.retained_tokens,
+                "context_tokens": state.context_tokens, "new_tokens": len(decoded.token_ids),
+                "cache_bytes": decoded.cache_bytes, "full_bytes": decoded.full_bytes, "metric": item.metric, **meta,
+            })
+            if len(decoded.steps):
+                steps.append(tag_steps(decoded.steps, keys))
     step_frame = pd.concat(steps, ignore_index=True) if steps else pd.DataFrame()
     return pd.DataFrame(rows)[ITEM_COLUMNS], step_frame
 
@@ -146,6 +160,7 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
     wall = time.perf_counter()
     cell = validate(cfg)
     out_dir = Path(out_dir)
+    check_out_dir(out_dir)
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     timings: dict[str, float] = defaultdict(float)
@@ -158,11 +173,13 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
     items = load_items(data_cfg.get("name"), data_cfg, tokenizer, cell.n_items)
     shard_items = items[cell.shard :: cell.n_shards]
     timings["load_data"] = time.perf_counter() - start
-    for item in shard_items:
-        _check_item(item)
+    if not shard_items:
+        raise ConfigError(f"shard={cell.shard} of n_shards={cell.n_shards} has no items (n_items={len(items)})")
+    limit = _model_limit(model, cell)
+    for item in shard_items:  # every item's prompt is checked before anything is written
+        tokenize_item(tokenizer, item, cell.setting, limit, cell.truncate, int(item.max_new_tokens))
 
     parts = out_dir / PARTS
-    parts.mkdir(parents=True, exist_ok=True)
     identity = _identity(cfg, items)
     marker = parts / "identity.json"
     if marker.exists() and json.loads(marker.read_text()) != json.loads(json.dumps(identity)):
@@ -170,12 +187,62 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
             f"out_dir={out_dir} holds a partial run of a different configuration or dataset; "
             "use another out_dir or delete it"
         )
-    write_text_atomic(json.dumps(identity, indent=1, sort_keys=True), marker)
+    created = _created_dirs(parts)
+    try:
+        parts.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(json.dumps(identity, indent=1, sort_keys=True), marker)
+    except OSError as err:
+        _remove_empty(created)
+        raise ConfigError(f"out_dir={out_dir}: cannot write there ({err.strerror or err})") from None
+    try:
+        return _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, parts, out_dir, limit, identity,
+                          timings, wall)
+    except BaseException:
+        # A failure before any item finished leaves nothing behind; finished items are kept for the rerun.
+        if not any(parts.glob("*.items.parquet")):
+            marker.unlink(missing_ok=True)
+            for leftover in [*parts.glob(".*.tmp"), *parts.glob("*.steps.parquet")]:
+                leftover.unlink(missing_ok=True)
+            _remove_empty(created)
+        raise
 
+
+def check_out_dir(out_dir: Path) -> None:
+    """Fail early (before loading anything) if ``out_dir`` cannot be a directory we write into."""
+    for path in (out_dir, *out_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ConfigError(f"out_dir={out_dir}: {path} is not a directory")
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise ConfigError(f"out_dir={out_dir}: {path} is not writable")
+            return
+
+
+def _created_dirs(path: Path) -> list[Path]:
+    """The directories that ``path.mkdir(parents=True)`` would create, deepest first."""
+    missing = []
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing.append(p)
+    return missing
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    for d in dirs:  # deepest first
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
+def _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, parts, out_dir, limit, identity, timings, wall):
+    from omegaconf import OmegaConf
+
+    data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     meta = {"model": spec.kind if spec.kind != "hf" else str(spec.name), "data": data_cfg.get("name")}
     if spec.kind == "gguf":
         meta["model"] = Path(spec.path).stem
-    limit = _model_limit(model, cell)
     done = [i for i in range(len(shard_items)) if (parts / f"{i:06d}.items.parquet").exists()]
     bar = tqdm(total=len(shard_items), initial=len(done), desc=f"cell shard {cell.shard}/{cell.n_shards}",
                unit="item", file=sys.stderr, disable=not cfg.get("progress", True), dynamic_ncols=True)
