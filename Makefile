@@ -57,7 +57,7 @@ verify: install
 ## Its claims.csv must equal the local smoke run's.
 test-slurm: smoke
 	PATH="$(abspath $(BIN)):$$PATH" KVCERT_SLURM_REFERENCE_CLAIMS=$(abspath results/smoke/claims.csv) \
-	  KVCERT_SLURM_CONFIG="scale=smoke" KVCERT_SLURM_CLAIMS=results/smoke/claims.csv \
+	  KVCERT_SLURM_CONFIG="scale=smoke" KVCERT_SLURM_CLAIMS=results/smoke/claims.csv KVCERT_SLURM_SNAKEFILE=$(abspath Snakefile) \
 	  bash workflow/slurm/test-slurm.sh
 
 slurm-up:
