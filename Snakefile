@@ -19,3 +19,7 @@ rule all:
         TABLES,
         CLAIM_FIGURES,
         NOTEBOOKS,
+
+
+onerror:
+    report_failure(log)

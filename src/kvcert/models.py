@@ -69,7 +69,11 @@ class ModelSpec:
             if kind == "gguf" and rest:
                 return cls(kind="gguf", path=rest)
             raise ModelLoadError(f"model spec {spec!r}: expected 'smollm2', 'hf:<id or dir>' or 'gguf:<file>'")
-        fields = {k: spec[k] for k in ("kind", "name", "path", "dtype", "device") if k in spec and spec[k] is not None}
+        known = ("kind", "name", "path", "dtype", "device")
+        unknown = sorted(str(k) for k in spec if k not in known)
+        if unknown:
+            raise ModelLoadError(f"model.{unknown[0]}: unknown key; known: {', '.join(known)}")
+        fields = {k: spec[k] for k in known if k in spec and spec[k] is not None}
         out = cls(**fields)
         out.validate()
         return out

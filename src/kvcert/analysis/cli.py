@@ -15,8 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from kvcert.analysis import claims, data, figures
@@ -24,6 +23,9 @@ from kvcert.analysis.errors import AnalysisError
 from kvcert.analysis.prereg import claim_spec, load_claims, verify_lock
 
 EXIT_BAD_INPUT = 2
+# Values of claim.yaml that a caller of run() may leave out.
+DEFAULTS = {"cells": [], "figure_dir": "paper_figures", "figures": True, "prereg_root": ".", "scale": "default",
+            "n_boot": None, "seed": None}
 
 
 def _check_inputs(cells: list[str], needed: tuple[str, ...]) -> list[Path]:
@@ -48,15 +50,23 @@ def _write_json(path: Path, payload: dict) -> None:
 
 def run(cfg: dict) -> claims.ClaimResult:
     """Run one claim from a plain config dict (the Hydra config, resolved); raises AnalysisError."""
+    cfg = {**DEFAULTS, **cfg}
+    _check_config(cfg)
     root = Path(cfg.get("prereg_root") or ".")
     verify_lock(root)
     claim_id = str(cfg["claim"])
     if claim_id not in claims.REGISTRY:
         raise AnalysisError(f"claim={claim_id} is not one of {', '.join(sorted(claims.REGISTRY))}")
     doc = load_claims(root)
+    scales = sorted(doc.get("scales") or {})
+    if scales and cfg["scale"] not in scales:
+        raise AnalysisError(f"scale={cfg['scale']}: unknown; known: {', '.join(scales)}")
     spec = claim_spec(doc, claim_id)
     needed = claims.REGISTRY[claim_id].tables
     dirs = _check_inputs(list(cfg.get("cells") or []), needed)
+    _check_writable("out", cfg["out"], Path(cfg["out"]).parent)
+    if cfg.get("figures", True):
+        _check_writable("figure_dir", cfg["figure_dir"], Path(cfg["figure_dir"]))
     tables = claims.Tables(**{t: data.load_cells(dirs, t) for t in needed})
     opts = claims.options_for(spec, doc["conventions"], scale=str(cfg.get("scale", "default")),
                               n_boot=cfg.get("n_boot"), seed=cfg.get("seed"))
@@ -68,26 +78,73 @@ def run(cfg: dict) -> claims.ClaimResult:
     return result
 
 
-@hydra.main(version_base="1.3", config_path=str(Path(__file__).resolve().parent.parent / "conf" / "claim"), config_name="claim")
-def _app(cfg: DictConfig) -> None:
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "claim"
+
+
+def _check_config(cfg: dict) -> None:
+    """Types and values of the claim config; names the key at fault."""
+    cells = cfg.get("cells")
+    if not isinstance(cells, list):
+        raise AnalysisError(f"cells={cells!r}: expected a list of cell directories, e.g. 'cells=[results/cells/a]'")
+    for key in ("n_boot", "seed"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise AnalysisError(f"{key}={value!r}: expected an integer or null")
+    if cfg.get("n_boot") is not None and cfg["n_boot"] < 1:
+        raise AnalysisError(f"n_boot={cfg['n_boot']}: must be >= 1")
+    if not isinstance(cfg.get("figures", True), bool):
+        raise AnalysisError(f"figures={cfg.get('figures')!r}: expected true or false")
+    for key in ("out", "figure_dir", "prereg_root", "scale"):
+        if not isinstance(cfg.get(key), str) or not cfg.get(key):
+            raise AnalysisError(f"{key}={cfg.get(key)!r}: expected a non-empty string")
+
+
+def _check_writable(key: str, value: str, target: Path) -> None:
+    """Fail before any computation if ``target`` (a directory to create or use) cannot be written."""
+    for path in (target, *target.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise AnalysisError(f"{key}={value}: {path} is not a directory")
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise AnalysisError(f"{key}={value}: {path} is not writable")
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: compose the config (Hydra overrides), run, print one summary or one error line."""
+    from kvcert.runner.cli import UsageError, check_top_level_keys, compose
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        print((CONF_DIR / "claim.yaml").read_text())
+        return 0
+    show = "--cfg" in argv
+    argv = [a for a in argv if a != "--cfg"]
     try:
+        cfg = compose(argv, config_name="claim", conf_dir=CONF_DIR)
+        if show:
+            print(OmegaConf.to_yaml(cfg))
+            return 0
+        check_top_level_keys(cfg, conf_dir=CONF_DIR, config_name="claim", groups=())
         if OmegaConf.is_missing(cfg, "claim"):
             raise AnalysisError(f"claim is required: claim=<one of {', '.join(sorted(claims.REGISTRY))}>")
         result = run(OmegaConf.to_container(cfg, resolve=True))
-    except OmegaConfBaseException as exc:  # a bad override or interpolation: one line, not a traceback
-        print(f"kvcert-claim: error: config: {str(exc).splitlines()[0]}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+    except (UsageError, OmegaConfBaseException) as exc:  # a bad override or interpolation
+        print(f"kvcert-claim: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except AnalysisError as exc:
-        print(f"kvcert-claim: error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        print(f"kvcert-claim: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"kvcert-claim: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(f"{result.claim}: {result.verdict} ({result.component} = {result.estimate:.4g}, "
           f"95% CI [{result.ci_low:.4g}, {result.ci_high:.4g}], threshold {result.threshold:g}; "
           f"paper: {result.paper_verdict}) -> {cfg.out}")
-
-
-def main() -> None:
-    _app()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -93,7 +93,7 @@ def read_jsonl_items(path: str | Path, defaults: Mapping[str, Any] | None = None
                 continue
             record: Any = None
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\r\n"))
                 item = _parse_record(record, merged, path.stem)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None

@@ -89,40 +89,48 @@ class Grid:
 def _names(cfg: Mapping[str, Any], key: str, known, prefix: str = "") -> tuple[str, ...]:
     values = cfg.get(key)
     name = f"{prefix}.{key}" if prefix else key
-    if values is None or isinstance(values, str) or len(values) == 0:
-        raise ConfigError(f"{name}={values!r}: expected a non-empty list, e.g. {key}=[{sorted(known)[0]}]")
+    if values is None or isinstance(values, (str, int, float)) or len(values) == 0:
+        example = values if isinstance(values, str) and values in known else sorted(known)[0]
+        raise ConfigError(f"{name}={values!r}: expected a non-empty list, e.g. '{key}=[{example}]'")
     for value in values:
         if value not in known:
             raise ConfigError(f"{name}: {value!r} is unknown; known: {sorted(known)}")
     return tuple(str(v) for v in values)
 
 
-def _number(cfg, key, kind, low=None, high=None, low_open=False):
+def _number(cfg, key, kind, low=None, high=None, low_open=False, label=None):
     value = cfg.get(key)
+    label = label or key
     try:
         if isinstance(value, bool) or value is None:
             raise TypeError
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise TypeError
         value = kind(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{key}={cfg.get(key)!r}: expected {kind.__name__}") from None
+        raise ConfigError(f"{label}={cfg.get(key)!r}: expected {kind.__name__}") from None
+    if value != value:  # nan
+        raise ConfigError(f"{label}={value}: expected a number")
     if low is not None and (value <= low if low_open else value < low):
-        raise ConfigError(f"{key}={value}: must be {'>' if low_open else '>='} {low}")
+        raise ConfigError(f"{label}={value}: must be {'>' if low_open else '>='} {low}")
     if high is not None and value > high:
-        raise ConfigError(f"{key}={value}: must be <= {high}")
+        raise ConfigError(f"{label}={value}: must be <= {high}")
     return value
 
 
 def _budgets(cfg: Mapping[str, Any], key: str) -> tuple[float, ...]:
     budgets = cfg.get("budgets")
     if budgets is None or isinstance(budgets, (str, int, float)) or len(budgets) == 0:
-        raise ConfigError(f"{key}={budgets!r}: expected a non-empty list of fractions in (0, 1]")
+        raise ConfigError(f"{key}={budgets!r}: expected a non-empty list of fractions in (0, 1], e.g. '{key}=[0.25,0.5]'")
     checked = []
     for b in budgets:
         try:
+            if isinstance(b, bool):
+                raise TypeError
             b = float(b)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: {b!r} is not a number") from None
-        if not 0.0 < b <= 1.0:
+        if not 0.0 < b <= 1.0:  # also rejects nan
             raise ConfigError(f"{key}: {b} is outside (0, 1]")
         checked.append(b)
     return tuple(checked)
@@ -130,12 +138,33 @@ def _budgets(cfg: Mapping[str, Any], key: str) -> tuple[float, ...]:
 
 def _seeds(cfg: Mapping[str, Any], key: str) -> tuple[int, ...]:
     seeds = cfg.get("seeds")
-    if seeds is None or isinstance(seeds, (str, int)) or len(seeds) == 0:
-        raise ConfigError(f"{key}={seeds!r}: expected a non-empty list of integers")
+    if seeds is None or isinstance(seeds, (str, int, float)) or len(seeds) == 0:
+        raise ConfigError(f"{key}={seeds!r}: expected a non-empty list of integers, e.g. '{key}=[0,1]'")
     for s in seeds:
         if isinstance(s, bool) or not isinstance(s, int):
             raise ConfigError(f"{key}: {s!r} is not an integer")
     return tuple(int(s) for s in seeds)
+
+
+def _flag(cfg: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    return value
+
+
+def _design_options(cfg: Mapping[str, Any]) -> DesignOptions:
+    opts = cfg.get("design_options") or {}
+    if not isinstance(opts, Mapping):
+        raise ConfigError(f"design_options={opts!r}: expected a mapping of {sorted(DesignOptions.__dataclass_fields__)}")
+    unknown = set(opts) - set(DesignOptions.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"design_options: unknown key(s) {sorted(unknown)}; known: {sorted(DesignOptions.__dataclass_fields__)}")
+    values = {}
+    for name, kind in (("n_sink", int), ("n_recent", int), ("head_fraction", float), ("pi_min", float)):
+        if name in opts:
+            values[name] = _number(opts, name, kind, label=f"design_options.{name}")
+    return DesignOptions(**values)
 
 
 def _extra_grids(cfg: Mapping[str, Any], seeds: tuple[int, ...]) -> tuple[Grid, ...]:
@@ -171,17 +200,18 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
     if truncate not in ("middle", "error"):
         raise ConfigError(f"truncate={truncate!r} is unknown; known: ['middle', 'error']")
     max_ctx = cfg.get("max_context_tokens")
-    opts = cfg.get("design_options") or {}
-    try:
-        options = DesignOptions(**dict(opts))
-    except TypeError as err:
-        raise ConfigError(f"design_options: {err}") from None
+    options = _design_options(cfg)
     if not 0.0 < options.pi_min <= 1.0:
         raise ConfigError(f"design_options.pi_min={options.pi_min}: must lie in (0, 1]")
     if not 0.0 <= options.head_fraction <= 1.0:
         raise ConfigError(f"design_options.head_fraction={options.head_fraction}: must lie in [0, 1]")
     if options.n_sink < 0 or options.n_recent < 1:
         raise ConfigError("design_options: n_sink must be >= 0 and n_recent >= 1")
+    threads = cfg.get("threads")
+    if threads is not None:
+        _number(cfg, "threads", int, low=1)
+    if cfg.get("progress") is not None:
+        _flag(cfg, "progress")
     return CellConfig(
         policies=_names(cfg, "policies", set(POLICIES)),
         designs=_names(cfg, "designs", set(DESIGNS)),
@@ -191,8 +221,8 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
         n_items=_number(cfg, "n_items", int, low=1),
         shard=shard,
         n_shards=n_shards,
-        oracle=bool(cfg.get("oracle")),
-        certify=bool(cfg.get("certify")),
+        oracle=_flag(cfg, "oracle"),
+        certify=_flag(cfg, "certify"),
         delta=_number(cfg, "delta", float, low=0.0, high=0.999, low_open=True),
         window=_number(cfg, "window", int, low=1),
         options=options,
