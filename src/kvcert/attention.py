@@ -192,8 +192,6 @@ def kvcert_attention(
         if cache.oracle and layer.prefix_keys is not None:
             full_out = _full_attention(grouped_q, layer, q_pos, sliding, scale, group)
         _record(cache, layer, module.layer_idx, q_pos, out, var, full_out, group, m)
-    elif grouped_bias is None and m > 1:
-        out = F.scaled_dot_product_attention(grouped_q, key, value, is_causal=True, scale=scale)
     else:
         mask = grouped_bias.to(query.dtype) if grouped_bias is not None else None
         out = F.scaled_dot_product_attention(grouped_q, key, value, attn_mask=mask, scale=scale)
