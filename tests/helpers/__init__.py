@@ -1,0 +1,1 @@
+"""Test helpers (tiny models written as GGUF files, and the like)."""
