@@ -147,6 +147,10 @@ class Decoded:
     text: str = ""
 
 
+def _empty_steps() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype="float64") for c in STEP_COLUMNS})
+
+
 def _steps_frame(cache: CompressedCache, row: int, delta: float, randomized: bool, limit: int) -> pd.DataFrame:
     """Flatten batch row ``row`` of the cache's StepRecords into STEP_COLUMNS, keeping steps < limit."""
     parts = []
@@ -167,7 +171,7 @@ def _steps_frame(cache: CompressedCache, row: int, delta: float, randomized: boo
             "wald_coverage": wald.ravel(),
         })
     if not parts:
-        return pd.DataFrame({c: pd.Series(dtype="float64") for c in STEP_COLUMNS})
+        return _empty_steps()
     frame = pd.DataFrame({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
     frame = frame[frame["step"] < limit]
     safe_norm = frame["out_norm"].where(frame["out_norm"] > 0)
@@ -267,8 +271,7 @@ def decode_batch(
         retained, cache_bytes, full_bytes = _footprint(state, selections)
         # Steps attending to the compressed cache: the suffix, then every generated token but the last.
         limit = suffix.shape[-1] + len(tokens[r]) - 1
-        steps = _steps_frame(cache, r, delta, randomized[r], limit) if selections is not None else _steps_frame(
-            CompressedCache([]), 0, delta, False, 0)
+        steps = _steps_frame(cache, r, delta, randomized[r], limit) if selections is not None else _empty_steps()
         out.append(Decoded(tokens[r], logprobs[r], steps, retained, cache_bytes, full_bytes))
     return out
 

@@ -112,19 +112,12 @@ def _check_writable(key: str, value: str, target: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: compose the config (Hydra overrides), run, print one summary or one error line."""
-    from kvcert.runner.cli import UsageError, check_top_level_keys, compose
+    from kvcert.runner.cli import UsageError, check_top_level_keys, compose_or_show
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        print((CONF_DIR / "claim.yaml").read_text())
-        return 0
-    show = "--cfg" in argv
-    argv = [a for a in argv if a != "--cfg"]
     try:
-        cfg = compose(argv, config_name="claim", conf_dir=CONF_DIR)
-        if show:
-            print(OmegaConf.to_yaml(cfg))
+        cfg = compose_or_show(argv, __doc__, config_name="claim", conf_dir=CONF_DIR)
+        if cfg is None:
             return 0
         check_top_level_keys(cfg, conf_dir=CONF_DIR, config_name="claim", groups=())
         if OmegaConf.is_missing(cfg, "claim"):

@@ -119,20 +119,26 @@ def one_line(err: BaseException) -> str:
     return " ".join(text.split())
 
 
+def compose_or_show(argv: list[str], doc: str, config_name: str = "run", conf_dir: Path = CONF_DIR):
+    """Handle ``--help`` and ``--cfg`` (print and return None), else return the composed config."""
+    if "-h" in argv or "--help" in argv:
+        print(doc)
+        print((conf_dir / f"{config_name}.yaml").read_text())
+        return None
+    cfg = compose([a for a in argv if a != "--cfg"], config_name=config_name, conf_dir=conf_dir)
+    if "--cfg" in argv:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(cfg))
+        return None
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(__doc__)
-        print((CONF_DIR / "run.yaml").read_text())
-        return 0
-    show = "--cfg" in argv
-    argv = [a for a in argv if a != "--cfg"]
     try:
-        cfg = compose(argv)
-        if show:
-            from omegaconf import OmegaConf
-
-            print(OmegaConf.to_yaml(cfg))
+        cfg = compose_or_show(argv, __doc__)
+        if cfg is None:
             return 0
         check_top_level_keys(cfg)
         missing = _missing_keys(cfg)
