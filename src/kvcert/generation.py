@@ -152,27 +152,31 @@ def _empty_steps() -> pd.DataFrame:
 
 
 def _steps_frame(cache: CompressedCache, row: int, delta: float, randomized: bool, limit: int) -> pd.DataFrame:
-    """Flatten batch row ``row`` of the cache's StepRecords into STEP_COLUMNS, keeping steps < limit."""
-    parts = []
-    for rec in cache.records:
-        h, m = rec.trace_var.shape[1:]
-        if rec.first_step >= limit:
-            continue
-        trace = rec.trace_var[row].cpu().double().numpy()  # (h, m)
-        norm = rec.out_norm[row].cpu().double().numpy()
-        missing = np.full((h, m), np.nan)
-        err = rec.true_err[row].cpu().double().numpy() if rec.true_err is not None else missing
-        wald = rec.wald_coverage[row].cpu().double().numpy() if rec.wald_coverage is not None and randomized else missing
-        cert = np.sqrt(trace / delta) if randomized else missing
-        heads, steps = np.meshgrid(np.arange(h), rec.first_step + np.arange(m), indexing="ij")
-        parts.append({
-            "step": steps.ravel(), "layer": np.full(h * m, rec.layer), "kv_head": heads.ravel(),
-            "trace_var": trace.ravel(), "cert": cert.ravel(), "true_err": err.ravel(), "out_norm": norm.ravel(),
-            "wald_coverage": wald.ravel(),
-        })
-    if not parts:
+    """Flatten batch row ``row`` of the cache's StepRecords into STEP_COLUMNS, keeping steps < limit.
+
+    Tensors are concatenated first and converted once: per-record conversions would cost more than the
+    certificate itself.
+    """
+    records = [rec for rec in cache.records if rec.first_step < limit]
+    if not records:
         return _empty_steps()
-    frame = pd.DataFrame({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+
+    def flat(name: str) -> np.ndarray:
+        return torch.cat([getattr(rec, name)[row].reshape(-1) for rec in records]).double().cpu().numpy()
+
+    shapes = [rec.trace_var.shape[1:] for rec in records]  # (kv_heads, m) per record
+    trace = flat("trace_var")
+    missing = np.full(trace.shape, np.nan)
+    frame = pd.DataFrame({
+        "step": np.concatenate([np.tile(rec.first_step + np.arange(m), h) for rec, (h, m) in zip(records, shapes)]),
+        "layer": np.concatenate([np.full(h * m, rec.layer) for rec, (h, m) in zip(records, shapes)]),
+        "kv_head": np.concatenate([np.repeat(np.arange(h), m) for h, m in shapes]),
+        "trace_var": trace,
+        "cert": np.sqrt(trace / delta) if randomized else missing,
+        "true_err": flat("true_err") if records[0].true_err is not None else missing,
+        "out_norm": flat("out_norm"),
+        "wald_coverage": flat("wald_coverage") if records[0].wald_coverage is not None and randomized else missing,
+    })
     frame = frame[frame["step"] < limit]
     safe_norm = frame["out_norm"].where(frame["out_norm"] > 0)
     frame["rel_cert"] = frame["cert"] / safe_norm
