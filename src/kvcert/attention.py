@@ -187,7 +187,9 @@ def kvcert_attention(
             prefix_values = value[..., :k0, :].to(torch.float64 if value.dtype == torch.float64 else torch.float32)
             layer.tail_moments = (tail_weight(layer.log_pi[..., :k0]).unsqueeze(-2), value_moments(prefix_values))
         one_minus_pi, moments = layer.tail_moments
-        out, var = hajek_with_bias(grouped_q, key, value, grouped_bias, one_minus_pi, scale, moments=moments)
+        # Rows are never empty here: every query sees itself (an appended, certain slot).
+        out, var = hajek_with_bias(grouped_q, key, value, grouped_bias, one_minus_pi, scale, moments=moments,
+                                   check_empty=False)
         full_out = None
         if cache.oracle and layer.prefix_keys is not None:
             full_out = _full_attention(grouped_q, layer, q_pos, sliding, scale, group)

@@ -53,7 +53,8 @@ def hajek_with_bias(
     bias: torch.Tensor,
     one_minus_pi: torch.Tensor | None,
     scale: float,
-    moments: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    moments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    check_empty: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Hájek output and per-coordinate variance for arbitrary additive logit biases.
 
@@ -64,40 +65,39 @@ def hajek_with_bias(
     later slots are certain appended tokens); one_minus_pi then covers those k slots only, and the variance
     is reduced over them without touching the other slots.
     Returns out (..., m, dv) and var (..., m, dv) or None, in float32/float64.
-    Raises EmptyRetainedSetError if some row has no finite logit.
+    Raises EmptyRetainedSetError if some row has no finite logit (check_empty=False skips the check, for
+    callers whose rows cannot be empty: it costs a device synchronization per call).
     """
     dtype = compute_dtype(q, k, v)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     logits = torch.matmul(q, k.transpose(-1, -2)) * scale
     if bias is not None:
         logits = logits + bias.to(dtype)
-    row_max = logits.amax(dim=-1, keepdim=True)
-    if not bool(torch.isfinite(row_max).all()):
+    if check_empty and not bool(torch.isfinite(logits.amax(dim=-1)).all()):
         raise EmptyRetainedSetError("an attention row has no retained slot (all logits are -inf or NaN)")
     weights = torch.softmax(logits, dim=-1)
     out = torch.matmul(weights, v)
     if one_minus_pi is None:
         return out, None
-    if moments is None:
-        center, vc, vc2 = value_moments(v)
-        c = weights.square() * one_minus_pi.to(dtype)
-    else:
-        center, vc, vc2 = moments
-        c = weights[..., : vc.shape[-2]].square() * one_minus_pi.to(dtype)
+    center, stacked = value_moments(v) if moments is None else moments
+    c = weights[..., : stacked.shape[-2]].square() * one_minus_pi.to(dtype)
+    dv = v.shape[-1]
+    sums = torch.matmul(c, stacked)  # Σc(v−μ)², Σc(v−μ), Σc in one reduction
     oc = out - center
-    var = torch.matmul(c, vc2) - 2.0 * oc * torch.matmul(c, vc) + oc.square() * c.sum(-1, keepdim=True)
+    var = sums[..., :dv] - 2.0 * oc * sums[..., dv : 2 * dv] + oc.square() * sums[..., 2 * dv :]
     return out, var.clamp_min(0.0)
 
 
-def value_moments(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(center, v − center, (v − center)²) for v (..., n, dv), center = mean over slots (..., 1, dv).
+def value_moments(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(center, [(v − center)², v − center, 1]) for v (..., n, dv): center (..., 1, dv), stacked (..., n, 2dv+1).
 
-    Centering keeps the expanded variance Σc v² − 2ô Σc v + ô² Σc free of catastrophic cancellation
-    without materializing an (m, n, dv) tensor.
+    Centering on the mean over slots keeps the expanded variance Σc v² − 2ô Σc v + ô² Σc free of
+    catastrophic cancellation without materializing an (m, n, dv) tensor; stacking lets one matmul
+    produce all three sums.
     """
     center = v.mean(dim=-2, keepdim=True)
     vc = v - center
-    return center, vc, vc.square()
+    return center, torch.cat([vc.square(), vc, torch.ones_like(vc[..., :1])], dim=-1)
 
 
 def hajek_attention(
