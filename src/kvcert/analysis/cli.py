@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kvcert.analysis import claims, data, figures
 from kvcert.analysis.errors import AnalysisError
 from kvcert.analysis.prereg import claim_spec, load_claims, verify_lock
+from kvcert.runner.tables import unwritable_reason
 
 EXIT_BAD_INPUT = 2
 # Values of claim.yaml that a caller of run() may leave out.
@@ -101,13 +102,9 @@ def _check_config(cfg: dict) -> None:
 
 def _check_writable(key: str, value: str, target: Path) -> None:
     """Fail before any computation if ``target`` (a directory to create or use) cannot be written."""
-    for path in (target, *target.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise AnalysisError(f"{key}={value}: {path} is not a directory")
-            if not os.access(path, os.W_OK | os.X_OK):
-                raise AnalysisError(f"{key}={value}: {path} is not writable")
-            return
+    reason = unwritable_reason(target)
+    if reason:
+        raise AnalysisError(f"{key}={value}: {reason}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 import zlib
@@ -32,6 +31,7 @@ from .tables import (
     logprob_summary,
     summarize_steps,
     tag_steps,
+    unwritable_reason,
     write_parquet_atomic,
     write_text_atomic,
 )
@@ -107,10 +107,13 @@ def batches(configurations: list[Configuration]) -> list[list[Configuration]]:
     return [[c for c in configurations if c.is_full], *groups.values()]
 
 
-def run_item(model, tokenizer, item: Item, cell: CellConfig, limit: int, meta: dict, timings: dict):
-    """All configurations of one item from one prefill: (item rows, step frame)."""
+def run_item(model, tokenizer, item: Item, prompt, cell: CellConfig, meta: dict, timings: dict):
+    """All configurations of one item from one prefill: (item rows, step frame).
+
+    prompt: the item's (prefix_ids, suffix_ids) from ``tokenize_item``.
+    """
     max_new = int(item.max_new_tokens)
-    prefix_ids, suffix_ids = tokenize_item(tokenizer, item, cell.setting, limit, cell.truncate, max_new)
+    prefix_ids, suffix_ids = prompt
     accumulate = any(get_policy(p).needs_accumulated_attention for p in cell.all_policies)
     start = time.perf_counter()
     state: Prefill = prefill(model, prefix_ids, suffix_ids, setting=cell.setting, window=cell.window, accumulate=accumulate)
@@ -176,8 +179,9 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
     if not shard_items:
         raise ConfigError(f"shard={cell.shard} of n_shards={cell.n_shards} has no items (n_items={len(items)})")
     limit = _model_limit(model, cell)
-    for item in shard_items:  # every item's prompt is checked before anything is written
-        tokenize_item(tokenizer, item, cell.setting, limit, cell.truncate, int(item.max_new_tokens))
+    # Every item's prompt is tokenized (and so checked) before anything is written.
+    prompts = [tokenize_item(tokenizer, item, cell.setting, limit, cell.truncate, int(item.max_new_tokens))
+               for item in shard_items]
 
     parts = out_dir / PARTS
     identity = _identity(cfg, items)
@@ -195,7 +199,7 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
         _remove_empty(created)
         raise ConfigError(f"out_dir={out_dir}: cannot write there ({err.strerror or err})") from None
     try:
-        return _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, parts, out_dir, limit, identity,
+        return _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, prompts, parts, out_dir, identity,
                           timings, wall)
     except BaseException:
         # A failure before any item finished leaves nothing behind; finished items are kept for the rerun.
@@ -209,13 +213,9 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
 
 def check_out_dir(out_dir: Path) -> None:
     """Fail early (before loading anything) if ``out_dir`` cannot be a directory we write into."""
-    for path in (out_dir, *out_dir.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise ConfigError(f"out_dir={out_dir}: {path} is not a directory")
-            if not os.access(path, os.W_OK | os.X_OK):
-                raise ConfigError(f"out_dir={out_dir}: {path} is not writable")
-            return
+    reason = unwritable_reason(out_dir)
+    if reason:
+        raise ConfigError(f"out_dir={out_dir}: {reason}")
 
 
 def _created_dirs(path: Path) -> list[Path]:
@@ -236,7 +236,7 @@ def _remove_empty(dirs: list[Path]) -> None:
             break
 
 
-def _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, parts, out_dir, limit, identity, timings, wall):
+def _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, prompts, parts, out_dir, identity, timings, wall):
     from omegaconf import OmegaConf
 
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
@@ -249,7 +249,7 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, parts, out
     for index, item in enumerate(shard_items):
         if index in done:
             continue
-        item_rows, step_rows = run_item(model, tokenizer, item, cell, limit, meta, timings)
+        item_rows, step_rows = run_item(model, tokenizer, item, prompts[index], cell, meta, timings)
         start = time.perf_counter()
         write_parquet_atomic(step_rows, parts / f"{index:06d}.steps.parquet")
         write_parquet_atomic(item_rows, parts / f"{index:06d}.items.parquet")  # written last: the commit

@@ -61,6 +61,21 @@ def tag_steps(steps: pd.DataFrame, keys: dict) -> pd.DataFrame:
     return out
 
 
+def unwritable_reason(target: Path) -> str | None:
+    """Why ``target`` (a directory to create or use) cannot be written, or None when it can.
+
+    The nearest existing ancestor decides: it must be a writable directory.
+    """
+    for path in (target, *target.parents):
+        if path.exists():
+            if not path.is_dir():
+                return f"{path} is not a directory"
+            if not os.access(path, os.W_OK | os.X_OK):
+                return f"{path} is not writable"
+            return None
+    return None
+
+
 def write_parquet_atomic(frame: pd.DataFrame, path: str | Path) -> None:
     """Write ``frame`` to a temporary file beside ``path`` and rename it into place."""
     path = Path(path)
