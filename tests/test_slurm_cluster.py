@@ -149,3 +149,49 @@ def test_cluster_up_job_down(tmp_path):
     assert pids and not any(_running(p) for p in pids), pids
     # idempotent down
     assert _run("cluster-down.sh", env, timeout=60).returncode == 0
+
+
+def test_daemon_that_dies_at_start_is_reported_and_nothing_is_left(tmp_path):
+    """A daemon exiting at once fails cluster-up with its exit status and log; the rest is stopped.
+
+    The failing slurmd is a shell stand-in first on PATH (the point is our start-up bookkeeping, not
+    slurmd); munged and slurmctld are the real daemons.
+    """
+    state = tmp_path / "slurm"
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    fake = shims / "slurmd"
+    fake.write_text('#!/bin/sh\necho "stand-in slurmd: refusing to start" >&2\nexit 3\n')
+    fake.chmod(0o755)
+    ctld_port, d_port = _free_port(), _free_port()
+    env = dict(
+        os.environ,
+        PATH=f"{shims}:{os.environ.get('PATH', '')}:/usr/sbin:/sbin",
+        KVCERT_SLURM_DIR=str(state),
+        KVCERT_SLURM_CTLD_PORT=str(ctld_port),
+        KVCERT_SLURM_D_PORT=str(d_port),
+        KVCERT_SLURM_ETC="0",
+    )
+    env.pop("SLURM_CONF", None)
+    up = _run("cluster-up.sh", env, timeout=240)
+    if up.returncode != 0 and "apt-get install" in up.stderr:
+        pytest.skip(f"could not install slurm/munge: {up.stderr.strip()[-300:]}")
+    try:
+        assert up.returncode != 0
+        assert "slurmd" in up.stderr and "exited right after start (exit status 3)" in up.stderr
+        assert "stand-in slurmd: refusing to start" in up.stderr, up.stderr  # its log tail is shown
+        # cluster-up stopped the daemons it had started before failing
+        for name in ("munged", "slurmctld"):
+            assert f"stopped {name}" in up.stderr, up.stderr
+    finally:
+        _run("cluster-down.sh", env, timeout=120)
+    leftovers = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and _running(int(proc.name)):
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(state) in cmd:
+                leftovers.append(cmd)
+    assert not leftovers, leftovers

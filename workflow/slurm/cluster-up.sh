@@ -182,23 +182,35 @@ fail_with_logs() {
   local f n
   echo "slurm-cluster: error: $*" >&2
   for n in munged slurmctld slurmd; do
-    f="$LOG_DIR/$n.log"
-    [[ -s "$f" ]] || f="$LOG_DIR/$n.stdout"
-    [[ -s "$f" ]] || continue
-    echo "----- tail $f" >&2
-    tail -n 8 "$f" >&2
+    for f in "$LOG_DIR/$n.log" "$LOG_DIR/$n.stdout"; do
+      [[ -s "$f" ]] || continue
+      echo "----- tail $f" >&2
+      tail -n 12 "$f" >&2
+    done
   done
   # do not leave half a cluster behind
   "$SLURM_SCRIPT_DIR/cluster-down.sh" || true
   exit 1
 }
 
-wait_alive() { # name pid: still alive after a moment?
-  local _
-  for _ in 1 2 3 4 5; do
-    pid_is_ours "$2" "$1" || fail_with_logs "$1 exited right after start"
+# wait_alive NAME PID: the daemon has replaced the forked shell (exec done) and stays up for ~1 s.
+# Right after `setsid CMD &` the PID may still be the forked shell, whose command line does not name
+# the daemon yet; that is "starting", not "dead". Only a vanished or zombie PID counts as dead.
+wait_alive() {
+  local name="$1" pid="$2" seen=0 _ status
+  for _ in $(seq 1 100); do
+    if ! pid_exists "$pid"; then
+      status=""
+      wait "$pid" 2>/dev/null || status=" (exit status $?)"
+      fail_with_logs "$name (pid $pid) exited right after start$status"
+    fi
+    if pid_is_ours "$pid" "$name"; then
+      seen=$((seen + 1))
+      ((seen >= 5)) && return 0
+    fi
     sleep 0.2
   done
+  fail_with_logs "$name (pid $pid) did not come up within 20 s"
 }
 
 touch "$PIDS_FILE"

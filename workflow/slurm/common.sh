@@ -44,9 +44,17 @@ log() { echo "slurm-cluster: $*" >&2; }
 pid_is_ours() {
   local pid="$1" name="$2" cmd
   [[ "$pid" =~ ^[0-9]+$ ]] || return 1
-  [[ -r "/proc/$pid/cmdline" ]] || return 1
-  cmd="$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" || return 1
+  # the process may exit between any two reads: every /proc access tolerates that
+  cmd="$({ tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null)" || return 1
   [[ "$cmd" == *"$name"* && "$cmd" == *"$STATE_DIR"* ]]
+}
+
+# Does PID exist and is it not a zombie? (says nothing about what it runs)
+pid_exists() {
+  local state
+  [[ "$1" =~ ^[0-9]+$ ]] || return 1
+  state="$({ awk '{ print $3 }' <"/proc/$1/stat"; } 2>/dev/null)" || return 1
+  [[ -n "$state" && "$state" != Z && "$state" != X ]]
 }
 
 # PID recorded for NAME in the pids file (empty if none).
