@@ -9,7 +9,9 @@ Modes, by the layer's state:
 * prefill (the layer observes): causal attention; record the window queries and accumulated attention;
 * full cache: causal attention over all slots;
 * compressed: attention with the Hájek offset −log π; when the cache certifies (or is an oracle), the
-  estimator of ``kvcert.estimator`` runs in float32 and appends a ``StepRecord`` per call.
+  Hájek estimator of ``kvcert.estimator`` runs in float32 and hands its output and the weights of the
+  sampled slots to the cache, which computes the variance and the statistics of a whole forward pass at
+  once (one ``StepRecord`` per pass).
 """
 
 from __future__ import annotations
@@ -20,12 +22,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from .cache import CompressedCache, CompressedLayer, StepRecord, active_cache
-from .estimator import compute_dtype, hajek_with_bias, offset_bias, tail_weight, value_moments
+from .cache import CompressedCache, CompressedLayer, active_cache
+from .estimator import compute_dtype, hajek_with_weights
 
 ATTENTION_NAME = "kvcert"
 CACHE_KWARG = "kvcert_cache"
-WALD_Z = 1.959963984540054
 _H2O_CHUNK = 256
 
 
@@ -107,25 +108,6 @@ def _full_attention(grouped_q, layer: CompressedLayer, q_pos, sliding, scale: fl
     )
 
 
-def _record(cache, layer, layer_idx, q_pos, out, var, full_out, group, m):
-    """Append a StepRecord: per KV head, the group's query-head outputs form one vector."""
-    b, h = out.shape[:2]
-    dv = out.shape[-1]
-    shaped = lambda t: t.reshape(b, h, group, m, dv)  # noqa: E731
-    o = shaped(out)
-    record = StepRecord(
-        layer=layer_idx,
-        first_step=int(q_pos[0, 0, 0]) - cache.compressed_length,
-        trace_var=shaped(var).sum(dim=(2, 4)).float(),
-        out_norm=o.square().sum(dim=(2, 4)).sqrt().float(),
-    )
-    if full_out is not None:
-        err = o - shaped(full_out)
-        record.true_err = err.square().sum(dim=(2, 4)).sqrt().float()
-        record.wald_coverage = (err.abs() <= WALD_Z * shaped(var).sqrt()).float().mean(dim=(2, 4))
-    cache.records.append(record)
-
-
 def kvcert_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -174,26 +156,24 @@ def kvcert_attention(
     if m > 1 or sliding is not None:
         bias = _mask_bias(_allowed(layer.positions, q_pos, sliding), torch.float32)
     if layer.compressed:
-        offset = offset_bias(layer.log_pi).unsqueeze(-2)
+        offset = layer.offset.unsqueeze(-2)  # (b, kv_heads, 1, slots)
         bias = offset if bias is None else bias + offset
     grouped_q = query.reshape(b, hk, group * m, d)
     grouped_bias = _group(bias, group) if bias is not None else None
 
     if layer.compressed and (cache.certify or cache.oracle):
-        if layer.tail_moments is None:
-            # Only the slots present at compression can have π < 1 (appended tokens are certain), and they
-            # never change: their 1 − π and centered values are computed once per derived layer.
-            k0 = layer.n_prefix_slots
-            prefix_values = value[..., :k0, :].to(torch.float64 if value.dtype == torch.float64 else torch.float32)
-            layer.tail_moments = (tail_weight(layer.log_pi[..., :k0]).unsqueeze(-2), value_moments(prefix_values))
-        one_minus_pi, moments = layer.tail_moments
+        # (b, kv_heads, ·, ·) -> (b·kv_heads, ·, ·): views, so that every matmul is one bmm
+        flat = lambda t: t.reshape(b * hk, *t.shape[2:])  # noqa: E731
         # Rows are never empty here: every query sees itself (an appended, certain slot).
-        out, var = hajek_with_bias(grouped_q, key, value, grouped_bias, one_minus_pi, scale, moments=moments,
-                                   check_empty=False)
+        out, weights = hajek_with_weights(flat(grouped_q), flat(key), flat(value), flat(grouped_bias), scale,
+                                          check_empty=False)
         full_out = None
         if cache.oracle and layer.prefix_keys is not None:
-            full_out = _full_attention(grouped_q, layer, q_pos, sliding, scale, group)
-        _record(cache, layer, module.layer_idx, q_pos, out, var, full_out, group, m)
+            full_out = flat(_full_attention(grouped_q, layer, q_pos, sliding, scale, group))
+        # Only the first n_sampled_slots slots can have π < 1 (derive sorts them first); the cache computes
+        # the variance from their weights once the forward pass is complete.
+        cache.add_step(module.layer_idx, (b, hk, group, m, out.shape[-1]), out,
+                       weights[..., : layer.n_sampled_slots], full_out)
     else:
         mask = grouped_bias.to(query.dtype) if grouped_bias is not None else None
         out = F.scaled_dot_product_attention(grouped_q, key, value, attn_mask=mask, scale=scale)

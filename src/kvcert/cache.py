@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .designs import Selection
+from .estimator import TailMoments, linearized_variance, offset_bias, tail_moments, tail_weight
 
 _ACTIVE = threading.local()
 
@@ -50,15 +51,19 @@ class Observation:
     accumulated_attention: torch.Tensor | None = None
 
 
+WALD_Z = 1.959963984540054  # two-sided nominal 95% normal quantile
+
+
 @dataclass
 class StepRecord:
-    """Per-step statistics of one attention call over a compressed layer.
+    """Statistics of one forward pass over the compressed layers ``layers``, for query steps first_step, ….
 
-    Tensors are (batch, kv_heads, m) for the m query positions of the call, float32; query heads of a KV
-    head are stacked into one output vector (so traces add and norms are of the concatenation).
+    Tensors are (len(layers), batch, kv_heads, m) for the m query positions of the pass, float32; the
+    query heads of a KV head are stacked into one output vector (so traces add and norms are of the
+    concatenation). true_err and wald_coverage are set in oracle mode.
     """
 
-    layer: int
+    layers: tuple[int, ...]
     first_step: int
     trace_var: torch.Tensor
     out_norm: torch.Tensor
@@ -66,8 +71,24 @@ class StepRecord:
     wald_coverage: torch.Tensor | None = None
 
 
+@dataclass
+class _PendingStep:
+    """One certified attention call, kept raw until its forward pass is complete.
+
+    out/full_out: (batch·kv_heads, group·m, dv); tail_weights: (batch·kv_heads, group·m, t), the softmax
+    weights of the layer's t sampled slots; shape = (batch, kv_heads, group, m, dv).
+    """
+
+    layer: int
+    first_step: int
+    shape: tuple[int, ...]
+    out: torch.Tensor
+    tail_weights: torch.Tensor
+    full_out: torch.Tensor | None
+
+
 class CompressedLayer(CacheLayerMixin):
-    """One layer: keys/values (batch, kv_heads, slots, head_dim), log_pi and positions (batch, kv_heads, slots).
+    """One layer: keys/values (batch, kv_heads, slots, head_dim); log_pi, offset and positions (batch, kv_heads, slots).
 
     The batch holds one configuration per row (rows padded to the longest with log π = −inf). Slots live in
     buffers with spare capacity, so appending a token writes in place instead of copying the cache.
@@ -83,36 +104,37 @@ class CompressedLayer(CacheLayerMixin):
         self.scale: float | None = None  # likewise
         self.observation = observation
         self.log_pi: torch.Tensor | None = None
+        self.offset: torch.Tensor | None = None  # −log π (−inf where not retained): the attention bias
         self.positions: torch.Tensor | None = None
         self.length = 0
         self.filled = 0
-        self._buffers: tuple[torch.Tensor, ...] | None = None  # keys, values, log_pi, positions
+        self._buffers: tuple[torch.Tensor, ...] | None = None  # keys, values, log_pi, offset, positions
         # Oracle: the uncompressed prefix (1, kv_heads, n, head_dim); appended tokens are the slots after
         # n_prefix_slots, shared by the compressed and the full view.
         self.prefix_keys: torch.Tensor | None = None
         self.prefix_values: torch.Tensor | None = None
         self.n_prefix_slots = 0
+        self.n_sampled_slots = 0  # slots [0, n_sampled_slots) hold every π < 1 of every row (derive sorts them first)
         self.has_tail = False
         self.compressed = False
-        self.tail_moments = None  # (1 − π, value moments) of the compressed slots, set by the attention function
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h = key_states.shape[:2]
         self.device = key_states.device
+        no_slots = torch.zeros((b, h, 0), dtype=torch.float32, device=self.device)
         self._allocate(
-            key_states[..., :0, :], value_states[..., :0, :],
-            torch.zeros((b, h, 0), dtype=torch.float32, device=self.device),
+            key_states[..., :0, :], value_states[..., :0, :], no_slots, no_slots,
             torch.zeros((b, h, 0), dtype=torch.long, device=self.device),
             capacity=key_states.shape[-2],
         )
         self.is_initialized = True
 
-    def _allocate(self, keys, values, log_pi, positions, capacity: int) -> None:
+    def _allocate(self, keys, values, log_pi, offset, positions, capacity: int) -> None:
         """Copy the given slots into fresh buffers with room for ``capacity`` slots."""
         filled = keys.shape[-2]
         capacity = max(capacity, filled)
         buffers = []
-        for t in (keys, values, log_pi, positions):
+        for t in (keys, values, log_pi, offset, positions):
             shape = (*t.shape[:2], capacity, *t.shape[3:])
             buf = torch.empty(shape, dtype=t.dtype, device=t.device)
             buf[:, :, :filled] = t
@@ -122,9 +144,10 @@ class CompressedLayer(CacheLayerMixin):
         self._expose()
 
     def _expose(self) -> None:
-        k, v, lp, pos = self._buffers
+        k, v, lp, off, pos = self._buffers
         self.keys, self.values = k[:, :, : self.filled], v[:, :, : self.filled]
-        self.log_pi, self.positions = lp[:, :, : self.filled], pos[:, :, : self.filled]
+        self.log_pi, self.offset = lp[:, :, : self.filled], off[:, :, : self.filled]
+        self.positions = pos[:, :, : self.filled]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append m new tokens (batch, kv_heads, m, head_dim) as certain slots; return all slots."""
@@ -132,12 +155,14 @@ class CompressedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         m = key_states.shape[-2]
         if self.filled + m > self._buffers[0].shape[2]:
-            self._allocate(self.keys, self.values, self.log_pi, self.positions, max(2 * self.filled, self.filled + m))
-        k, v, lp, pos = self._buffers
+            self._allocate(self.keys, self.values, self.log_pi, self.offset, self.positions,
+                           max(2 * self.filled, self.filled + m))
+        k, v, lp, off, pos = self._buffers
         end = self.filled + m
         k[:, :, self.filled : end] = key_states
         v[:, :, self.filled : end] = value_states
         lp[:, :, self.filled : end] = 0.0
+        off[:, :, self.filled : end] = 0.0
         pos[:, :, self.filled : end] = torch.arange(self.length, self.length + m, device=self.device)
         self.filled = end
         self.length += m
@@ -172,6 +197,12 @@ class CompressedLayer(CacheLayerMixin):
         index = torch.cat([F.pad(i, (0, k_max - i.shape[-1])) for i, _ in rows])
         log_pi = torch.cat([F.pad(lp, (0, k_max - lp.shape[-1]), value=float("-inf")) for _, lp in rows])
         batch = len(rows)
+        # Sampled (π < 1) slots first: the variance then reads a prefix of the slots instead of all of them.
+        # Slot order is free (positions travel with the slots and masks are built from them).
+        sampled = (log_pi < 0) & torch.isfinite(log_pi)
+        order = torch.argsort((~sampled).to(torch.uint8), dim=-1, stable=True)
+        index, log_pi = index.gather(-1, order), log_pi.gather(-1, order)
+        n_sampled = int(sampled.sum(-1).max()) if sampled.numel() else 0
 
         def gather(t: torch.Tensor) -> torch.Tensor:
             expanded = t.expand(batch, *t.shape[1:])
@@ -181,10 +212,12 @@ class CompressedLayer(CacheLayerMixin):
 
         layer = CompressedLayer(self.sliding_window)
         layer.scale, layer.device, layer.length, layer.is_initialized = self.scale, self.device, self.length, True
-        layer._allocate(gather(self.keys), gather(self.values), log_pi, gather(self.positions), k_max + reserve)
+        layer._allocate(gather(self.keys), gather(self.values), log_pi, offset_bias(log_pi), gather(self.positions),
+                        k_max + reserve)
         layer.n_prefix_slots = k_max
+        layer.n_sampled_slots = n_sampled
         layer.compressed = any(sel is not None for sel in selections)
-        layer.has_tail = bool(((log_pi < 0) & torch.isfinite(log_pi)).any())
+        layer.has_tail = n_sampled > 0
         if oracle and layer.compressed:
             layer.prefix_keys, layer.prefix_values = self.keys, self.values
         return layer
@@ -194,15 +227,84 @@ class CompressedCache(Cache):
     """A cache of ``CompressedLayer``s plus what the attention function should compute and record.
 
     certify: compute tr V̂ per step on compressed layers; oracle: keep the full cache beside and compute
-    the true error; records: the ``StepRecord``s appended by the attention function.
+    the true error; records: one ``StepRecord`` per forward pass over compressed layers.
     """
 
     def __init__(self, layers: list[CompressedLayer], *, certify: bool = False, oracle: bool = False):
         super().__init__(layers=layers)
         self.certify = certify
         self.oracle = oracle
-        self.records: list[StepRecord] = []
+        self._records: list[StepRecord] = []
+        self._pending: list[_PendingStep] = []
+        self._moments: dict[tuple[int, ...], TailMoments] = {}
         self.compressed_length = max((layer.length for layer in layers), default=0)
+
+    def add_step(self, layer: int, shape: tuple[int, ...], out: torch.Tensor, tail_weights: torch.Tensor,
+                 full_out: torch.Tensor | None) -> None:
+        """Called by the attention function after each certified call on layer ``layer``.
+
+        out/full_out: (batch·kv_heads, group·m, dv) with shape = (batch, kv_heads, group, m, dv);
+        tail_weights: (batch·kv_heads, group·m, t), the weights of the layer's first t = n_sampled_slots
+        slots. Nothing is computed here: the variance and the statistics of a whole forward pass are
+        computed at once when the pass is complete (the next pass starts, or ``records`` is read), a few
+        kernels per step instead of a few per layer, off the attention's critical path.
+        """
+        if self._pending and layer <= self._pending[-1].layer:
+            self._flush()
+        first_step = self.layers[layer].length - shape[3] - self.compressed_length
+        self._pending.append(_PendingStep(layer, first_step, shape, out, tail_weights, full_out))
+
+    def _flush(self) -> None:
+        groups: dict[tuple, list[_PendingStep]] = {}
+        for step in self._pending:
+            groups.setdefault((step.first_step, step.shape, step.full_out is None), []).append(step)
+        self._records.extend(self._summarize(steps) for steps in groups.values())
+        self._pending = []
+
+    def _tail_moments(self, layers: tuple[int, ...], dtype: torch.dtype) -> TailMoments:
+        """TailMoments of the sampled slots of ``layers``, stacked: (L, batch·kv_heads, ·, ·), padded to the
+        longest tail with zero weight. The sampled slots never change, so this is computed once per group."""
+        if layers not in self._moments:
+            t_max = max(self.layers[i].n_sampled_slots for i in layers)
+            values, weights = [], []
+            for i in layers:
+                layer, t = self.layers[i], self.layers[i].n_sampled_slots
+                v = layer.values[:, :, :t].to(dtype).flatten(0, 1)  # (batch·kv_heads, t, dv)
+                values.append(F.pad(v, (0, 0, 0, t_max - t)))
+                weights.append(F.pad(tail_weight(layer.log_pi[:, :, :t]).to(dtype).flatten(0, 1), (0, t_max - t)))
+            self._moments[layers] = tail_moments(torch.stack(values), torch.stack(weights), per_coordinate=self.oracle)
+        return self._moments[layers]
+
+    def _summarize(self, steps: list[_PendingStep]) -> StepRecord:
+        """The StepRecord of the calls of one pass (same first_step and shape), computed for all layers at once."""
+        shape = (len(steps), *steps[0].shape)  # (L, batch, kv_heads, group, m, dv)
+        layers = tuple(s.layer for s in steps)
+        out = torch.stack([s.out for s in steps])  # (L, batch·kv_heads, group·m, dv)
+        tail = self._tail_moments(layers, out.dtype)
+        weights = out.new_zeros((*out.shape[:-1], tail.one_minus_pi.shape[-1]))
+        for i, s in enumerate(steps):
+            weights[i, ..., : s.tail_weights.shape[-1]] = s.tail_weights
+        var = linearized_variance(weights, out, tail).reshape(*shape[:-1], -1)
+        out = out.reshape(shape)
+        reduce = (3, 5)  # the group's query heads and the value coordinates form one vector per KV head
+        record = StepRecord(
+            layers=layers,
+            first_step=steps[0].first_step,
+            trace_var=var.sum(dim=reduce).float(),
+            out_norm=torch.linalg.vector_norm(out, dim=reduce).float(),
+        )
+        if steps[0].full_out is not None:
+            err = out - torch.stack([s.full_out.to(out.dtype) for s in steps]).reshape(shape)
+            record.true_err = torch.linalg.vector_norm(err, dim=reduce).float()
+            record.wald_coverage = (err.abs() <= WALD_Z * var.sqrt()).float().mean(dim=reduce)
+        return record
+
+    @property
+    def records(self) -> list[StepRecord]:
+        """The ``StepRecord``s of every pass so far (completing the current one)."""
+        if self._pending:
+            self._flush()
+        return self._records
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Append to layer ``layer_idx`` (see ``CompressedLayer.update``) and mark this cache as the active one."""

@@ -17,6 +17,7 @@ inputs are float64) whatever the input dtype, so a bf16 model still gets a float
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -46,58 +47,98 @@ def tail_weight(log_pi: torch.Tensor) -> torch.Tensor:
     return -torch.expm1(log_pi)
 
 
+class TailMoments(NamedTuple):
+    """What the variance needs from the slots that may have π < 1, computed once per retained set.
+
+    center: (..., 1, dv), the mean value μ over those t slots; one_minus_pi: (..., 1, t); stacked: the rows
+    [(v_i − μ)², v_i − μ, 1], (..., t, 2dv+1), when ``per_coordinate``, else [‖v_i − μ‖², v_i − μ, 1],
+    (..., t, dv+2), which is all the trace needs. One matmul with c_i = (1 − π_i) a_i² then yields
+    Σc(v−μ)², Σc(v−μ) and Σc.
+    """
+
+    center: torch.Tensor
+    stacked: torch.Tensor
+    one_minus_pi: torch.Tensor
+    per_coordinate: bool = True
+
+
+def tail_moments(v: torch.Tensor, one_minus_pi: torch.Tensor, per_coordinate: bool = True) -> TailMoments:
+    """TailMoments of values v (..., t, dv) with per-slot weights one_minus_pi (..., t), in v's dtype.
+
+    Centering (on any constant; the mean is a good one) keeps the expanded variance Σc v² − 2ô Σc v + ô² Σc
+    free of catastrophic cancellation without materializing an (m, t, dv) tensor.
+    """
+    # no sampled slot at all (e.g. only deterministic rows): every sum is 0, and so is the variance
+    center = v.mean(dim=-2, keepdim=True) if v.shape[-2] else v.new_zeros((*v.shape[:-2], 1, v.shape[-1]))
+    vc = v - center
+    second = vc.square() if per_coordinate else vc.square().sum(dim=-1, keepdim=True)
+    stacked = torch.cat([second, vc, torch.ones_like(vc[..., :1])], dim=-1)
+    return TailMoments(center, stacked, one_minus_pi.to(v.dtype).unsqueeze(-2), per_coordinate)
+
+
+def hajek_with_weights(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float, check_empty: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hájek output and the softmax weights a of the offset logits, for arbitrary additive logit biases.
+
+    q: (..., m, d); k: (..., n, d); v: (..., n, dv); bias: broadcastable to (..., m, n), holding −log π plus
+    any −inf mask (causal, sliding window, non-retained), or None (no mask, no offset).
+    Returns out (..., m, dv) and weights (..., m, n), float32 (float64 for float64 inputs).
+    Raises EmptyRetainedSetError if some row has no finite logit (check_empty=False skips the check, for
+    callers whose rows cannot be empty: it costs a device synchronization per call).
+    With 3-d inputs every matmul is a single bmm (this runs at every decode step of every layer).
+    """
+    dtype = compute_dtype(q, k, v)
+    q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in (q, k, v))
+    logits = torch.matmul(q, k.transpose(-1, -2))
+    logits = logits.mul_(scale) if bias is None else torch.add(bias.to(dtype), logits, alpha=scale)
+    if check_empty and not bool(torch.isfinite(logits.amax(dim=-1)).all()):
+        raise EmptyRetainedSetError("an attention row has no retained slot (all logits are -inf or NaN)")
+    weights = torch.softmax(logits, dim=-1)
+    return torch.matmul(weights, v), weights
+
+
+def linearized_variance(tail_weights: torch.Tensor, out: torch.Tensor, tail: TailMoments) -> torch.Tensor:
+    """V̂ = Σ_tail (1 − π_i) a_i² (v_i − ô)² from the weights of the t sampled slots and the output.
+
+    tail_weights: (..., m, t), the softmax weights a of the slots ``tail`` describes; out: (..., m, dv).
+    Returns (..., m, dv) per coordinate when ``tail.per_coordinate``, else (..., m, 1), the trace Σ_j V̂_j;
+    in out's dtype, clamped at 0 (the expansion can round slightly below).
+    """
+    dtype = out.dtype
+    center, stacked, one_minus_pi = (t if t.dtype == dtype else t.to(dtype) for t in tail[:3])
+    c = tail_weights.square().mul_(one_minus_pi)
+    sums = torch.matmul(c, stacked)  # Σc·second moment, Σc(v−μ), Σc
+    width = sums.shape[-1] - out.shape[-1] - 1  # dv per coordinate, 1 for the trace
+    oc = out - center
+    # Σc(v−ô)² = Σc(v−μ)² − 2·oc·Σc(v−μ) + oc²·Σc with oc = ô − μ, as fused multiply-adds
+    half = torch.addcmul(sums[..., width:-1], oc, sums[..., -1:], value=-0.5)
+    if tail.per_coordinate:
+        var = torch.addcmul(sums[..., :width], oc, half, value=-2.0)
+    else:
+        var = torch.add(sums[..., :1], torch.linalg.vecdot(oc, half).unsqueeze(-1), alpha=-2.0)
+    return var.clamp_min_(0.0)
+
+
 def hajek_with_bias(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    bias: torch.Tensor,
-    one_minus_pi: torch.Tensor | None,
+    bias: torch.Tensor | None,
     scale: float,
-    moments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tail: TailMoments | None = None,
     check_empty: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Hájek output and per-coordinate variance for arbitrary additive logit biases.
+    """``hajek_with_weights`` plus ``linearized_variance`` over the first t slots that ``tail`` describes.
 
-    q: (..., m, d); k: (..., n, d); v: (..., n, dv); bias: broadcastable to (..., m, n), holding −log π plus
-    any −inf mask (causal, sliding window, non-retained); one_minus_pi: broadcastable to (..., m, n) or None
-    when no variance is wanted; bias may be None (no mask, no offset). moments: optional precomputed
-    ``value_moments(v[..., :k, :])`` when only the first k slots can have π < 1 (a compressed cache whose
-    later slots are certain appended tokens); one_minus_pi then covers those k slots only, and the variance
-    is reduced over them without touching the other slots.
-    Returns out (..., m, dv) and var (..., m, dv) or None, in float32/float64.
-    Raises EmptyRetainedSetError if some row has no finite logit (check_empty=False skips the check, for
-    callers whose rows cannot be empty: it costs a device synchronization per call).
+    Shapes as in ``hajek_with_weights``; the slots after the first t must be certain (π = 1) or not
+    retained. Returns out (..., m, dv) and var ((..., m, dv) per coordinate, (..., m, 1) the trace, or None
+    without tail).
     """
-    dtype = compute_dtype(q, k, v)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if bias is not None:
-        logits = logits + bias.to(dtype)
-    if check_empty and not bool(torch.isfinite(logits.amax(dim=-1)).all()):
-        raise EmptyRetainedSetError("an attention row has no retained slot (all logits are -inf or NaN)")
-    weights = torch.softmax(logits, dim=-1)
-    out = torch.matmul(weights, v)
-    if one_minus_pi is None:
+    out, weights = hajek_with_weights(q, k, v, bias, scale, check_empty)
+    if tail is None:
         return out, None
-    center, stacked = value_moments(v) if moments is None else moments
-    c = weights[..., : stacked.shape[-2]].square() * one_minus_pi.to(dtype)
-    dv = v.shape[-1]
-    sums = torch.matmul(c, stacked)  # Σc(v−μ)², Σc(v−μ), Σc in one reduction
-    oc = out - center
-    var = sums[..., :dv] - 2.0 * oc * sums[..., dv : 2 * dv] + oc.square() * sums[..., 2 * dv :]
-    return out, var.clamp_min(0.0)
-
-
-def value_moments(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(center, [(v − center)², v − center, 1]) for v (..., n, dv): center (..., 1, dv), stacked (..., n, 2dv+1).
-
-    Centering on the mean over slots keeps the expanded variance Σc v² − 2ô Σc v + ô² Σc free of
-    catastrophic cancellation without materializing an (m, n, dv) tensor; stacking lets one matmul
-    produce all three sums.
-    """
-    center = v.mean(dim=-2, keepdim=True)
-    vc = v - center
-    return center, torch.cat([vc.square(), vc, torch.ones_like(vc[..., :1])], dim=-1)
+    return out, linearized_variance(weights[..., : tail.one_minus_pi.shape[-1]], out, tail)
 
 
 def hajek_attention(
@@ -123,8 +164,9 @@ def hajek_attention(
     if bool((log_pi > 0).any()):
         raise ValueError("log_pi must be <= 0 (log of a probability)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    log_pi = log_pi.to(compute_dtype(q, k, v)).unsqueeze(-2)
-    return hajek_with_bias(q, k, v, offset_bias(log_pi), tail_weight(log_pi), scale)
+    log_pi = log_pi.to(compute_dtype(q, k, v))
+    tail = tail_moments(v.to(log_pi.dtype), tail_weight(log_pi))
+    return hajek_with_bias(q, k, v, offset_bias(log_pi).unsqueeze(-2), scale, tail)
 
 
 def certificate(trace_var: torch.Tensor, delta: float = 0.05) -> torch.Tensor:

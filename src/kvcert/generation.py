@@ -161,16 +161,19 @@ def _steps_frame(cache: CompressedCache, row: int, delta: float, randomized: boo
     if not records:
         return _empty_steps()
 
-    def flat(name: str) -> np.ndarray:
-        return torch.cat([getattr(rec, name)[row].reshape(-1) for rec in records]).double().cpu().numpy()
+    def flat(name: str) -> np.ndarray:  # record tensors are (layers, batch, kv_heads, m)
+        return torch.cat([getattr(rec, name)[:, row].reshape(-1) for rec in records]).double().cpu().numpy()
 
-    shapes = [rec.trace_var.shape[1:] for rec in records]  # (kv_heads, m) per record
+    def per_record(values) -> np.ndarray:
+        return np.concatenate([np.broadcast_to(v, rec.trace_var[:, row].shape).reshape(-1)
+                               for rec, v in zip(records, values)])
+
     trace = flat("trace_var")
     missing = np.full(trace.shape, np.nan)
     frame = pd.DataFrame({
-        "step": np.concatenate([np.tile(rec.first_step + np.arange(m), h) for rec, (h, m) in zip(records, shapes)]),
-        "layer": np.concatenate([np.full(h * m, rec.layer) for rec, (h, m) in zip(records, shapes)]),
-        "kv_head": np.concatenate([np.repeat(np.arange(h), m) for h, m in shapes]),
+        "step": per_record(rec.first_step + np.arange(rec.trace_var.shape[-1]) for rec in records),
+        "layer": per_record(np.asarray(rec.layers)[:, None, None] for rec in records),
+        "kv_head": per_record(np.arange(rec.trace_var.shape[2])[:, None] for rec in records),
         "trace_var": trace,
         "cert": np.sqrt(trace / delta) if randomized else missing,
         "true_err": flat("true_err") if records[0].true_err is not None else missing,
@@ -199,13 +202,15 @@ def eos_ids(model, tokenizer=None) -> set[int]:
 def _footprint(state: Prefill, selections: list[Selection] | None) -> tuple[float, int, int]:
     """(mean retained prefix slots per layer and KV head, compressed bytes, full bytes) of one configuration.
 
-    Bytes count what the configuration holds alone: keys, values, log π and positions of its padded slots.
+    Bytes count what the configuration holds alone: keys, values, log π, offset and positions of its padded
+    slots.
     """
     retained, compressed, full = [], 0, 0
     for i, layer in enumerate(state.cache.layers):
         h = layer.keys.shape[1]
         per_slot = h * (layer.keys.shape[-1] * layer.keys.element_size() + layer.values.shape[-1]
-                        * layer.values.element_size() + layer.log_pi.element_size() + layer.positions.element_size())
+                        * layer.values.element_size() + layer.log_pi.element_size() + layer.offset.element_size()
+                        + layer.positions.element_size())
         n = layer.keys.shape[-2]
         full += n * per_slot
         if selections is None:
