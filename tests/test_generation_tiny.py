@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from transformers import (
@@ -27,6 +28,7 @@ from transformers import (
 
 import kvcert
 from kvcert.attention import CACHE_KWARG
+from kvcert.generation import decode_batch
 from kvcert.sampling import budget_tokens
 
 VOCAB = 300
@@ -238,3 +240,34 @@ def test_compressed_budget_runs_with_physical_slots_near_budget(setting, design)
         assert abs(decoded.retained_tokens - expected) <= 0.15 * expected
         assert max(sel.index.shape[-1] for sel in selections) <= 1.3 * expected
     assert decoded.cache_bytes / decoded.full_bytes <= budget + 0.05
+
+
+@pytest.mark.parametrize("setting", ["question_aware", "streaming"])
+def test_serving_trace_equals_oracle_trace_and_batch_rows_are_independent(setting):
+    """Serving (trace-only moments) and oracle (per-coordinate moments) compute tr V̂ by different sums; they
+    must agree. A configuration decoded in a batch with deterministic and full rows gets the same tokens and
+    certificates as decoded alone (the rows share one pass per layer and one variance computation)."""
+    _, model, _ = _build("gemma3")
+    context, question = _prompt(8, n_context=320)
+    if setting == "question_aware":
+        state = kvcert.prefill(model, torch.cat([context, question], -1), setting=setting)
+    else:
+        state = kvcert.prefill(model, context, question, setting=setting)
+    poisson = kvcert.select(state, "snapkv", "poisson", 0.25, seed=3)
+    topk = kvcert.select(state, "snapkv", "topk", 0.5, seed=3)
+    serving = kvcert.decode(model, state, poisson, max_new_tokens=6, certify=True, oracle=False)
+    oracle = kvcert.decode(model, state, poisson, max_new_tokens=6, certify=True, oracle=True)
+    assert serving.token_ids == oracle.token_ids
+    assert (serving.steps["trace_var"] > 0).any() and serving.steps["true_err"].isna().all()
+    keys = ["step", "layer", "kv_head"]
+    pd.testing.assert_frame_equal(serving.steps[keys], oracle.steps[keys])
+    np.testing.assert_allclose(serving.steps["trace_var"], oracle.steps["trace_var"], rtol=1e-4, atol=1e-10)
+
+    rows = decode_batch(model, state, [topk, poisson, None], max_new_tokens=6, certify=True, oracle=True)
+    assert rows[1].token_ids == oracle.token_ids
+    pd.testing.assert_frame_equal(rows[1].steps[keys], oracle.steps[keys])
+    # true_err is ~1e-8 where a layer's window holds only certain slots: there float32 rounding is the error
+    for column, atol in (("trace_var", 1e-10), ("true_err", 1e-6), ("rel_err", 1e-5)):
+        np.testing.assert_allclose(rows[1].steps[column], oracle.steps[column], rtol=1e-4, atol=atol)
+    assert bool((rows[0].steps["trace_var"] == 0).all()) and rows[0].steps["cert"].isna().all()
+    assert rows[2].steps.empty
