@@ -154,7 +154,8 @@ def _empty_steps() -> pd.DataFrame:
 def _steps_frame(cache: CompressedCache, row: int, delta: float, randomized: bool, limit: int) -> pd.DataFrame:
     """Flatten batch row ``row`` of the cache's StepRecords into STEP_COLUMNS, keeping steps < limit.
 
-    Tensors are concatenated first and converted once: per-record conversions would cost more than the
+    Tensors are concatenated first and converted once, and every column is computed in numpy before one
+    DataFrame is built: per-record conversions or pandas column operations would cost more than the
     certificate itself.
     """
     records = [rec for rec in cache.records if rec.first_step < limit]
@@ -168,26 +169,24 @@ def _steps_frame(cache: CompressedCache, row: int, delta: float, randomized: boo
         return np.concatenate([np.broadcast_to(v, rec.trace_var[:, row].shape).reshape(-1)
                                for rec, v in zip(records, values)])
 
+    step = per_record(rec.first_step + np.arange(rec.trace_var.shape[-1]) for rec in records)
+    layer = per_record(np.asarray(rec.layers)[:, None, None] for rec in records)
+    kv_head = per_record(np.arange(rec.trace_var.shape[2])[:, None] for rec in records)
     trace = flat("trace_var")
     missing = np.full(trace.shape, np.nan)
-    frame = pd.DataFrame({
-        "step": per_record(rec.first_step + np.arange(rec.trace_var.shape[-1]) for rec in records),
-        "layer": per_record(np.asarray(rec.layers)[:, None, None] for rec in records),
-        "kv_head": per_record(np.arange(rec.trace_var.shape[2])[:, None] for rec in records),
-        "trace_var": trace,
-        "cert": np.sqrt(trace / delta) if randomized else missing,
-        "true_err": flat("true_err") if records[0].true_err is not None else missing,
-        "out_norm": flat("out_norm"),
-        "wald_coverage": flat("wald_coverage") if records[0].wald_coverage is not None and randomized else missing,
-    })
-    frame = frame[frame["step"] < limit]
-    safe_norm = frame["out_norm"].where(frame["out_norm"] > 0)
-    frame["rel_cert"] = frame["cert"] / safe_norm
-    frame["rel_err"] = frame["true_err"] / safe_norm
-    valid = frame["cert"].notna() & frame["true_err"].notna()
-    frame["coverage"] = np.where(valid, (frame["true_err"] <= frame["cert"]).astype(float), np.nan)
-    frame = frame.sort_values(["step", "layer", "kv_head"], kind="stable").reset_index(drop=True)
-    return frame[STEP_COLUMNS]
+    cert = np.sqrt(trace / delta) if randomized else missing
+    true_err = flat("true_err") if records[0].true_err is not None else missing
+    wald = flat("wald_coverage") if records[0].wald_coverage is not None and randomized else missing
+    norm = flat("out_norm")
+    safe_norm = np.where(norm > 0, norm, np.nan)
+    with np.errstate(invalid="ignore"):
+        coverage = np.where(np.isfinite(cert) & np.isfinite(true_err), (true_err <= cert).astype(float), np.nan)
+    columns = {"step": step, "layer": layer, "kv_head": kv_head, "trace_var": trace, "cert": cert,
+               "true_err": true_err, "rel_cert": cert / safe_norm, "rel_err": true_err / safe_norm,
+               "coverage": coverage, "wald_coverage": wald}
+    keep = step < limit
+    order = np.lexsort((kv_head[keep], layer[keep], step[keep]))  # stable: by step, then layer, then head
+    return pd.DataFrame({name: columns[name][keep][order] for name in STEP_COLUMNS})
 
 
 def eos_ids(model, tokenizer=None) -> set[int]:
