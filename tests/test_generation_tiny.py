@@ -91,6 +91,13 @@ def _prompt(seed: int, n_context: int = CONTEXT, n_question: int = QUESTION):
     return context, question
 
 
+def _prefill(model, context: torch.Tensor, question: torch.Tensor, setting: str):
+    """Question-aware: prefill context + question together; streaming: the question becomes the suffix."""
+    if setting == "question_aware":
+        return kvcert.prefill(model, torch.cat([context, question], -1), setting=setting)
+    return kvcert.prefill(model, context, question, setting=setting)
+
+
 @torch.no_grad()
 def _stock_greedy(model, ids: torch.Tensor, steps: int):
     """Logits (steps + 1, vocab) after the prompt and after each greedy token, and the greedy tokens."""
@@ -125,11 +132,9 @@ def test_budget_one_reproduces_stock_attention(arch):
     ref_logits, ref_tokens = _stock_greedy(reference, torch.cat([context, question], -1), STEPS)
 
     for setting in ("question_aware", "streaming"):
+        state = _prefill(model, context, question, setting)
         if setting == "question_aware":
-            state = kvcert.prefill(model, torch.cat([context, question], -1), setting=setting)
             assert torch.allclose(state.last_logits[0], ref_logits[0], atol=ATOL, rtol=0)
-        else:
-            state = kvcert.prefill(model, context, question, setting=setting)
         for design in ("topk", "poisson"):
             selections = kvcert.select(state, "snapkv", design, 1.0, seed=3)
             for sel in selections:  # every slot kept, all certain
@@ -212,10 +217,7 @@ def test_model_generate_runs_on_the_compressed_cache(arch, design):
 def test_compressed_budget_runs_with_physical_slots_near_budget(setting, design):
     _, model, _ = _build("gemma3")
     context, question = _prompt(6, n_context=320)
-    if setting == "question_aware":
-        state = kvcert.prefill(model, torch.cat([context, question], -1), setting=setting)
-    else:
-        state = kvcert.prefill(model, context, question, setting=setting)
+    state = _prefill(model, context, question, setting)
     n = state.context_tokens
     budget = 0.25
     expected = budget_tokens(budget, n)
@@ -249,10 +251,7 @@ def test_serving_trace_equals_oracle_trace_and_batch_rows_are_independent(settin
     certificates as decoded alone (the rows share one pass per layer and one variance computation)."""
     _, model, _ = _build("gemma3")
     context, question = _prompt(8, n_context=320)
-    if setting == "question_aware":
-        state = kvcert.prefill(model, torch.cat([context, question], -1), setting=setting)
-    else:
-        state = kvcert.prefill(model, context, question, setting=setting)
+    state = _prefill(model, context, question, setting)
     poisson = kvcert.select(state, "snapkv", "poisson", 0.25, seed=3)
     topk = kvcert.select(state, "snapkv", "topk", 0.5, seed=3)
     serving = kvcert.decode(model, state, poisson, max_new_tokens=6, certify=True, oracle=False)

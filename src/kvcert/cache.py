@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .designs import Selection
-from .estimator import TailMoments, linearized_variance, offset_bias, tail_moments, tail_weight
+from .estimator import TailMoments, linearized_variance, offset_bias, sampled_slots, tail_moments, tail_weight
 
 _ACTIVE = threading.local()
 
@@ -115,7 +115,6 @@ class CompressedLayer(CacheLayerMixin):
         self.prefix_values: torch.Tensor | None = None
         self.n_prefix_slots = 0
         self.n_sampled_slots = 0  # slots [0, n_sampled_slots) hold every π < 1 of every row (derive sorts them first)
-        self.has_tail = False
         self.compressed = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -199,7 +198,7 @@ class CompressedLayer(CacheLayerMixin):
         batch = len(rows)
         # Sampled (π < 1) slots first: the variance then reads a prefix of the slots instead of all of them.
         # Slot order is free (positions travel with the slots and masks are built from them).
-        sampled = (log_pi < 0) & torch.isfinite(log_pi)
+        sampled = sampled_slots(log_pi)
         order = torch.argsort((~sampled).to(torch.uint8), dim=-1, stable=True)
         index, log_pi = index.gather(-1, order), log_pi.gather(-1, order)
         n_sampled = int(sampled.sum(-1).max()) if sampled.numel() else 0
@@ -217,7 +216,6 @@ class CompressedLayer(CacheLayerMixin):
         layer.n_prefix_slots = k_max
         layer.n_sampled_slots = n_sampled
         layer.compressed = any(sel is not None for sel in selections)
-        layer.has_tail = n_sampled > 0
         if oracle and layer.compressed:
             layer.prefix_keys, layer.prefix_values = self.keys, self.values
         return layer

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from .estimator import sampled_slots
 from .sampling import (
     DEFAULT_HEAD_FRACTION,
     DEFAULT_N_RECENT,
@@ -43,7 +44,7 @@ class Selection:
     @property
     def has_tail(self) -> bool:
         """Whether some retained slot was sampled (π < 1): the design then has a certificate."""
-        return bool(((self.log_pi < 0) & torch.isfinite(self.log_pi)).any())
+        return bool(sampled_slots(self.log_pi).any())
 
 
 @dataclass(frozen=True)

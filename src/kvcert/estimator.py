@@ -42,6 +42,11 @@ def offset_bias(log_pi: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(log_pi), -log_pi, torch.full_like(log_pi, NOT_RETAINED))
 
 
+def sampled_slots(log_pi: torch.Tensor) -> torch.Tensor:
+    """Bool mask (..., n) of the retained slots that were sampled (0 < π < 1): the only ones with variance."""
+    return (log_pi < 0) & torch.isfinite(log_pi)
+
+
 def tail_weight(log_pi: torch.Tensor) -> torch.Tensor:
     """1 − π per slot: 0 for certain tokens, in (0, 1) for sampled ones, 1 for non-retained (weight 0 anyway)."""
     return -torch.expm1(log_pi)
