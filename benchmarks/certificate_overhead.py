@@ -3,14 +3,16 @@
 Configurations, all on one shared prefill per context (question-aware pass-key prompt):
   (a) full cache; (b) compressed, deterministic ``topk``; (c) compressed ``poisson`` with the Hájek offset
   (certify=False, oracle=False); (d) = (c) + certificate (certify=True); (e) = (d) + oracle (true error).
-They are timed side by side: every repetition runs each configuration once, round-robin (the order
-reversed on every other round), after a warm-up round. The table reports the median milliseconds per
-decode step (total decode time / forward steps, so per-prompt set-up such as the certificate's moments is
-included), the ratios d/c and e/c as the median of the per-round ratios (a round's configurations run
-seconds apart, so pairing cancels the drift of a shared machine) with their interquartile range, and the
-bytes of the compressed prefix cache over the full one.
+They are timed side by side, one forward pass at a time: a round starts one ``kvcert.Decoding`` per
+configuration and advances them in turn, pass by pass (the order reversed on every other pass), so the
+configurations' passes run tens of milliseconds apart and the drift of a shared machine hits them alike.
+A configuration's time in a round is its whole decode: set-up (deriving the cache), every pass (the
+certificate's per-prompt moments included) and the results (step records). The table reports the median
+milliseconds per decode step (that time / forward passes), the ratios d/c and e/c as the median of the
+per-round ratios with their interquartile range, after a warm-up round, and the bytes of the compressed
+prefix cache over the full one.
 
-    python benchmarks/certificate_overhead.py [--contexts 1000 4000] [--budget 0.25] [--reps 7]
+    python benchmarks/certificate_overhead.py [--contexts 1000 4000] [--budget 0.25] [--reps 9]
 """
 
 from __future__ import annotations
@@ -35,19 +37,43 @@ def prompt_ids(tokenizer, target_tokens: int, seed: int = 0) -> torch.Tensor:
     return tokenizer(context + question, return_tensors="pt").input_ids
 
 
-def run_config(model, state, name, selections, new_tokens):
-    """One decode of ``new_tokens`` tokens; returns (seconds per forward step, Decoded)."""
-    kwargs = {
-        "a_full": dict(certify=False, oracle=False),
-        "b_topk": dict(certify=False, oracle=False),
-        "c_poisson": dict(certify=False, oracle=False),
-        "d_poisson_cert": dict(certify=True, oracle=False),
-        "e_poisson_cert_oracle": dict(certify=True, oracle=True),
-    }[name]
-    start = time.perf_counter()
-    decoded = kvcert.decode(model, state, selections, max_new_tokens=new_tokens, stop_ids=set(), **kwargs)
-    elapsed = time.perf_counter() - start
-    return elapsed / max(1, len(decoded.token_ids) - 1), decoded
+OPTIONS = {
+    "a_full": dict(certify=False, oracle=False),
+    "b_topk": dict(certify=False, oracle=False),
+    "c_poisson": dict(certify=False, oracle=False),
+    "d_poisson_cert": dict(certify=True, oracle=False),
+    "e_poisson_cert_oracle": dict(certify=True, oracle=True),
+}
+
+
+def interleaved_round(model, state, selections, new_tokens: int, reverse: bool) -> dict:
+    """One decode per configuration, their forward passes interleaved; returns {name: (seconds, passes, Decoded)}."""
+    order = list(reversed(CONFIGS)) if reverse else list(CONFIGS)
+    seconds = dict.fromkeys(CONFIGS, 0.0)
+    decodings = {}
+    for name in order:
+        start = time.perf_counter()
+        decodings[name] = kvcert.Decoding(model, state, [selections[name]], max_new_tokens=new_tokens,
+                                          stop_ids=set(), **OPTIONS[name])
+        seconds[name] += time.perf_counter() - start
+    passes = dict.fromkeys(CONFIGS, 0)
+    running = list(order)
+    while running:
+        still = []
+        for name in running:
+            start = time.perf_counter()
+            more = decodings[name].advance()
+            seconds[name] += time.perf_counter() - start
+            passes[name] += more
+            if more:
+                still.append(name)
+        running = still[::-1]  # alternate the order from pass to pass
+    results = {}
+    for name in order:
+        start = time.perf_counter()
+        results[name] = decodings[name].results()[0]
+        seconds[name] += time.perf_counter() - start
+    return {name: (seconds[name], passes[name], results[name]) for name in CONFIGS}
 
 
 def benchmark(model, tokenizer, context_tokens: int, budget: float, reps: int, new_tokens: int) -> dict:
@@ -60,12 +86,12 @@ def benchmark(model, tokenizer, context_tokens: int, budget: float, reps: int, n
     }
     selections["d_poisson_cert"] = selections["e_poisson_cert_oracle"] = selections["c_poisson"]
     times = {name: [] for name in CONFIGS}
-    decoded = {}
     for rep in range(reps + 1):  # round 0 is the warm-up
-        for name in CONFIGS if rep % 2 == 0 else reversed(CONFIGS):
-            per_step, decoded[name] = run_config(model, state, name, selections[name], new_tokens)
-            if rep > 0:
-                times[name].append(per_step)
+        measured = interleaved_round(model, state, selections, new_tokens, reverse=rep % 2 == 1)
+        if rep > 0:
+            for name, (seconds, passes, _) in measured.items():
+                times[name].append(seconds / max(1, passes))
+    decoded = {name: result for name, (_, _, result) in measured.items()}
     # Same retained sets and offsets: the certificate and oracle must not change the generated tokens.
     assert decoded["c_poisson"].token_ids == decoded["d_poisson_cert"].token_ids == decoded["e_poisson_cert_oracle"].token_ids
     med = {name: 1e3 * statistics.median(t) for name, t in times.items()}
@@ -101,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     kvcert.prepare_model(model)
     rows = [benchmark(model, tokenizer, n, args.budget, args.reps, args.new_tokens) for n in args.contexts]
 
-    print(f"\nbudget {args.budget}, {args.new_tokens} new tokens, median of {args.reps} round-robin repetitions, "
+    print(f"\nbudget {args.budget}, {args.new_tokens} new tokens, median of {args.reps} rounds of interleaved passes, "
           f"{args.threads} threads; ratios: median [interquartile range] of the per-round ratios")
     header = ["context", *[c.split("_", 1)[0] + " ms/step" for c in CONFIGS], "d/c", "e/c", "bytes topk", "bytes poisson"]
     print("| " + " | ".join(header) + " |")

@@ -270,3 +270,32 @@ def test_serving_trace_equals_oracle_trace_and_batch_rows_are_independent(settin
         np.testing.assert_allclose(rows[1].steps[column], oracle.steps[column], rtol=1e-4, atol=atol)
     assert bool((rows[0].steps["trace_var"] == 0).all()) and rows[0].steps["cert"].isna().all()
     assert rows[2].steps.empty
+
+
+def test_interleaved_decodings_match_decode():
+    """Advancing two Decodings pass by pass in turn (as the overhead benchmark does) changes nothing: each
+    gives the tokens, log-probabilities and step statistics that ``decode`` gives alone."""
+    _, model, _ = _build("llama")
+    context, question = _prompt(4, n_context=120)
+    state = _prefill(model, context, question, "streaming")
+    poisson = kvcert.select(state, "snapkv", "poisson", 0.3, seed=1)
+    alone = {
+        "plain": kvcert.decode(model, state, poisson, max_new_tokens=5, certify=False),
+        "oracle": kvcert.decode(model, state, poisson, max_new_tokens=5, certify=True, oracle=True),
+    }
+    decodings = {
+        "plain": kvcert.Decoding(model, state, [poisson], max_new_tokens=5, certify=False),
+        "oracle": kvcert.Decoding(model, state, [poisson], max_new_tokens=5, certify=True, oracle=True),
+    }
+    running = list(decodings)
+    passes = 0
+    while running:
+        running = [name for name in running if decodings[name].advance()]
+        passes += 1
+    assert passes == 5  # four passes after the suffix's, then the last token is picked without one
+    for name, decoding in decodings.items():
+        (result,) = decoding.results()
+        assert result.token_ids == alone[name].token_ids and len(result.token_ids) == 5
+        np.testing.assert_allclose(result.logprobs, alone[name].logprobs, rtol=0, atol=1e-6)
+        pd.testing.assert_frame_equal(result.steps, alone[name].steps)
+    assert decodings["oracle"].results()[0].steps["true_err"].notna().all()

@@ -21,6 +21,7 @@ _EXPORTS = {
     "EmptyRetainedSetError": "estimator",
     "certificate": "estimator",
     "hajek_attention": "estimator",
+    "Decoding": "generation",
     "GenerationResult": "generation",
     "decode": "generation",
     "generate": "generation",

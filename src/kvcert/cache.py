@@ -263,14 +263,16 @@ class CompressedCache(Cache):
         """TailMoments of the sampled slots of ``layers``, stacked: (L, batch·kv_heads, ·, ·), padded to the
         longest tail with zero weight. The sampled slots never change, so this is computed once per group."""
         if layers not in self._moments:
+            first = self.layers[layers[0]]
             t_max = max(self.layers[i].n_sampled_slots for i in layers)
-            values, weights = [], []
-            for i in layers:
+            rows, dv = first.values.shape[0] * first.values.shape[1], first.values.shape[-1]
+            values = first.values.new_zeros((len(layers), rows, t_max, dv), dtype=dtype)
+            one_minus_pi = values.new_zeros((len(layers), rows, t_max))
+            for j, i in enumerate(layers):
                 layer, t = self.layers[i], self.layers[i].n_sampled_slots
-                v = layer.values[:, :, :t].to(dtype).flatten(0, 1)  # (batch·kv_heads, t, dv)
-                values.append(F.pad(v, (0, 0, 0, t_max - t)))
-                weights.append(F.pad(tail_weight(layer.log_pi[:, :, :t]).to(dtype).flatten(0, 1), (0, t_max - t)))
-            self._moments[layers] = tail_moments(torch.stack(values), torch.stack(weights), per_coordinate=self.oracle)
+                values[j, :, :t] = layer.values[:, :, :t].flatten(0, 1)
+                one_minus_pi[j, :, :t] = tail_weight(layer.log_pi[:, :, :t]).flatten(0, 1)
+            self._moments[layers] = tail_moments(values, one_minus_pi, per_coordinate=self.oracle)
         return self._moments[layers]
 
     def _summarize(self, steps: list[_PendingStep]) -> StepRecord:

@@ -75,9 +75,17 @@ def tail_moments(v: torch.Tensor, one_minus_pi: torch.Tensor, per_coordinate: bo
     """
     # no sampled slot at all (e.g. only deterministic rows): every sum is 0, and so is the variance
     center = v.mean(dim=-2, keepdim=True) if v.shape[-2] else v.new_zeros((*v.shape[:-2], 1, v.shape[-1]))
-    vc = v - center
-    second = vc.square() if per_coordinate else vc.square().sum(dim=-1, keepdim=True)
-    stacked = torch.cat([second, vc, torch.ones_like(vc[..., :1])], dim=-1)
+    dv = v.shape[-1]
+    width = dv if per_coordinate else 1
+    # written in place into one buffer: this runs once per prompt over every sampled value
+    stacked = v.new_empty((*v.shape[:-1], width + dv + 1))
+    vc = stacked[..., width : width + dv]
+    torch.sub(v, center, out=vc)
+    if per_coordinate:
+        torch.square(vc, out=stacked[..., :width])
+    else:
+        stacked[..., 0] = torch.linalg.vector_norm(vc, dim=-1).square_()
+    stacked[..., -1] = 1.0
     return TailMoments(center, stacked, one_minus_pi.to(v.dtype).unsqueeze(-2), per_coordinate)
 
 

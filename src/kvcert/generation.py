@@ -221,7 +221,88 @@ def _footprint(state: Prefill, selections: list[Selection] | None) -> tuple[floa
     return float(np.mean(retained)), compressed, full
 
 
-@torch.no_grad()
+class Decoding:
+    """Greedy generation for several configurations of one prompt, one batch row each, a forward pass at a time.
+
+    configurations: per row, the per-layer Selections (from ``select``) or None for the full cache. The
+    model's weights are read once per step for all rows, which is what makes a cell cheap. In the streaming
+    setting the suffix (question) is fed first, attending to the compressed cache; its positions carry
+    certificates like generated tokens do. randomized: per row, whether the design has a certificate
+    (default: some layer of the row has a Poisson tail). ``decode_batch`` runs one to the end; a benchmark
+    can interleave the passes of several, so that their step times are measured side by side.
+    """
+
+    @torch.no_grad()
+    def __init__(
+        self,
+        model,
+        state: Prefill,
+        configurations: list[list[Selection] | None],
+        *,
+        max_new_tokens: int = 16,
+        stop_ids: set[int] | None = None,
+        certify: bool = True,
+        oracle: bool = False,
+        delta: float = DEFAULT_DELTA,
+        randomized: list[bool] | None = None,
+    ):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        self.model, self.state, self.configurations = model, state, configurations
+        self.max_new_tokens, self.stop_ids, self.delta = max_new_tokens, stop_ids or set(), delta
+        rows = len(configurations)
+        any_compressed = any(c is not None for c in configurations)
+        suffix = state.suffix_ids
+        self.cache = state.cache.derive_batch(
+            configurations, certify=certify and any_compressed, oracle=oracle and any_compressed,
+            reserve=suffix.shape[-1] + max_new_tokens,
+        )
+        self.randomized = randomized if randomized is not None else [
+            c is not None and any(sel.has_tail for sel in c) for c in configurations
+        ]
+        self._kwargs = {CACHE_KWARG: self.cache, "cache": self.cache, "use_cache": True}
+        if rows and suffix.shape[-1] > 0:
+            self._logits = model(input_ids=suffix.expand(rows, -1), logits_to_keep=1, **self._kwargs).logits[:, -1].float()
+        else:
+            self._logits = state.last_logits.expand(rows, -1)
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.logprobs: list[list[float]] = [[] for _ in range(rows)]
+        self.done = [False] * rows
+
+    @torch.no_grad()
+    def advance(self) -> bool:
+        """Pick every unfinished row's next token; run the next forward pass unless all rows are done.
+
+        Returns whether a pass was run (False: generation is complete).
+        """
+        log_probs = torch.log_softmax(self._logits, dim=-1)
+        chosen = torch.argmax(log_probs, dim=-1)
+        picked = log_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+        for r in range(len(self.done)):
+            if not self.done[r]:
+                self.tokens[r].append(int(chosen[r]))
+                self.logprobs[r].append(float(picked[r]))
+                self.done[r] = self.tokens[r][-1] in self.stop_ids or len(self.tokens[r]) == self.max_new_tokens
+        if all(self.done):
+            return False
+        ids = chosen.unsqueeze(-1).to(self.state.prefix_ids.device)
+        self._logits = self.model(input_ids=ids, **self._kwargs).logits[:, -1].float()
+        return True
+
+    def results(self) -> list[Decoded]:
+        """One Decoded per row (call once ``advance`` has returned False)."""
+        out = []
+        suffix_len = self.state.suffix_ids.shape[-1]
+        for r, selections in enumerate(self.configurations):
+            retained, cache_bytes, full_bytes = _footprint(self.state, selections)
+            # Steps attending to the compressed cache: the suffix, then every generated token but the last.
+            limit = suffix_len + len(self.tokens[r]) - 1
+            steps = (_steps_frame(self.cache, r, self.delta, self.randomized[r], limit) if selections is not None
+                     else _empty_steps())
+            out.append(Decoded(self.tokens[r], self.logprobs[r], steps, retained, cache_bytes, full_bytes))
+        return out
+
+
 def decode_batch(
     model,
     state: Prefill,
@@ -234,54 +315,16 @@ def decode_batch(
     delta: float = DEFAULT_DELTA,
     randomized: list[bool] | None = None,
 ) -> list[Decoded]:
-    """Greedy generation for several configurations of one prompt at once, one batch row each.
-
-    configurations: per row, the per-layer Selections (from ``select``) or None for the full cache. The
-    model's weights are read once per step for all rows, which is what makes a cell cheap. In the streaming
-    setting the suffix (question) is fed first, attending to the compressed cache; its positions carry
-    certificates like generated tokens do. randomized: per row, whether the design has a certificate
-    (default: some layer of the row has a Poisson tail).
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    """Greedy generation for several configurations of one prompt at once, one batch row each (see ``Decoding``)."""
     if not configurations:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         return []
-    rows = len(configurations)
-    any_compressed = any(c is not None for c in configurations)
-    suffix = state.suffix_ids
-    cache = state.cache.derive_batch(configurations, certify=certify and any_compressed, oracle=oracle and any_compressed,
-                               reserve=suffix.shape[-1] + max_new_tokens)
-    if randomized is None:
-        randomized = [c is not None and any(sel.has_tail for sel in c) for c in configurations]
-    kwargs = {CACHE_KWARG: cache, "cache": cache, "use_cache": True}
-    if suffix.shape[-1] > 0:
-        logits = model(input_ids=suffix.expand(rows, -1), logits_to_keep=1, **kwargs).logits[:, -1].float()
-    else:
-        logits = state.last_logits.expand(rows, -1)
-    stop_ids = stop_ids or set()
-    tokens: list[list[int]] = [[] for _ in range(rows)]
-    logprobs: list[list[float]] = [[] for _ in range(rows)]
-    done = [False] * rows
-    for step in range(max_new_tokens):
-        log_probs = torch.log_softmax(logits, dim=-1)
-        chosen = torch.argmax(log_probs, dim=-1)
-        picked = log_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
-        for r in range(rows):
-            if not done[r]:
-                tokens[r].append(int(chosen[r]))
-                logprobs[r].append(float(picked[r]))
-                done[r] = tokens[r][-1] in stop_ids or len(tokens[r]) == max_new_tokens
-        if all(done):
-            break
-        logits = model(input_ids=chosen.unsqueeze(-1).to(state.prefix_ids.device), **kwargs).logits[:, -1].float()
-    out = []
-    for r, selections in enumerate(configurations):
-        retained, cache_bytes, full_bytes = _footprint(state, selections)
-        # Steps attending to the compressed cache: the suffix, then every generated token but the last.
-        limit = suffix.shape[-1] + len(tokens[r]) - 1
-        steps = _steps_frame(cache, r, delta, randomized[r], limit) if selections is not None else _empty_steps()
-        out.append(Decoded(tokens[r], logprobs[r], steps, retained, cache_bytes, full_bytes))
-    return out
+    decoding = Decoding(model, state, configurations, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                        certify=certify, oracle=oracle, delta=delta, randomized=randomized)
+    while decoding.advance():
+        pass
+    return decoding.results()
 
 
 def decode(
