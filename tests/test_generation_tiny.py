@@ -299,3 +299,63 @@ def test_interleaved_decodings_match_decode():
         np.testing.assert_allclose(result.logprobs, alone[name].logprobs, rtol=0, atol=1e-6)
         pd.testing.assert_frame_equal(result.steps, alone[name].steps)
     assert decodings["oracle"].results()[0].steps["true_err"].notna().all()
+
+
+@pytest.mark.parametrize("setting", ["question_aware", "streaming"])
+def test_recorded_trace_matches_hajek_attention_on_the_captured_queries(setting):
+    """Every recorded tr V̂ against ``hajek_attention`` (float64) on the same queries and retained slots.
+
+    The cache computes the variance from the softmax weights of the sampled slots and moments stacked over
+    layers, after the pass; here each attention call's queries and slots are captured and the variance is
+    recomputed from scratch, one query position at a time, with the causal and sliding-window masks folded
+    into log π. Gemma3 has a sliding and a full layer; the streaming setting also has a multi-token pass.
+    """
+    from transformers import AttentionInterface
+
+    from kvcert.attention import kvcert_attention
+    from kvcert.cache import active_cache
+
+    _, model, _ = _build("gemma3")
+    captured = []
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        cache = kwargs.get(CACHE_KWARG) or active_cache(module.layer_idx, key)
+        layer = cache.layers[module.layer_idx] if cache is not None else None
+        if layer is not None and layer.compressed:
+            captured.append((module.layer_idx, query.detach().double(), layer.keys.double(), layer.values.double(),
+                             layer.log_pi.double(), layer.positions.clone(), kwargs.get("scaling"),
+                             kwargs.get("sliding_window")))
+        return kvcert_attention(module, query, key, value, attention_mask, **kwargs)
+
+    context, question = _prompt(11, n_context=200)
+    state = _prefill(model, context, question, setting)
+    poisson = kvcert.select(state, "snapkv", "poisson", 0.3, seed=2)
+    AttentionInterface.register("kvcert_capture", capture)
+    model.set_attn_implementation("kvcert_capture")  # after the prefill, which switches to "kvcert"
+    decoded = kvcert.decode(model, state, poisson, max_new_tokens=5, certify=True)
+    steps = decoded.steps.set_index(["step", "layer", "kv_head"])["trace_var"]
+    prefix = state.prefix_ids.shape[-1]
+    checked, windowed = 0, 0
+    for layer_idx, q, k, v, log_pi, positions, scale, sliding in captured:
+        b, hq, m, d = q.shape
+        hk = k.shape[1]
+        for j in range(m):
+            q_pos = int(positions[0, 0, -m + j])
+            step = q_pos - prefix
+            if (step, layer_idx, 0) not in steps.index:
+                continue  # the last generated token's pass is not recorded (its output is never used)
+            visible = positions <= q_pos
+            if sliding is not None:
+                visible &= positions > q_pos - sliding
+                windowed += int((~visible & torch.isfinite(log_pi) & (log_pi < 0)).any())
+            masked = torch.where(visible, log_pi, torch.full_like(log_pi, float("-inf")))
+            grouped = q[:, :, j].reshape(b, hk, hq // hk, d)
+            _, var = kvcert.hajek_attention(grouped, k, v, masked, scale=scale)
+            reference = var.sum(dim=(-2, -1))[0]  # (kv_heads,)
+            for h in range(hk):
+                np.testing.assert_allclose(steps.loc[(step, layer_idx, h)], float(reference[h]), rtol=2e-4, atol=1e-9)
+                checked += 1
+    n_steps = len(decoded.token_ids) - 1 + (question.shape[-1] if setting == "streaming" else 0)
+    assert checked == len(steps) == n_steps * 2 * 2  # every recorded (step, layer, kv_head) was checked
+    assert windowed > 0  # the sliding window did hide sampled slots from some query
+    assert float(steps.max()) > 0
