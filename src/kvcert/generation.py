@@ -248,6 +248,8 @@ class Decoding:
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if not configurations:
+            raise ValueError("configurations is empty: give at least one (None for the full cache)")
         self.model, self.state, self.configurations = model, state, configurations
         self.max_new_tokens, self.stop_ids, self.delta = max_new_tokens, stop_ids or set(), delta
         rows = len(configurations)
@@ -261,7 +263,7 @@ class Decoding:
             c is not None and any(sel.has_tail for sel in c) for c in configurations
         ]
         self._kwargs = {CACHE_KWARG: self.cache, "cache": self.cache, "use_cache": True}
-        if rows and suffix.shape[-1] > 0:
+        if suffix.shape[-1] > 0:
             self._logits = model(input_ids=suffix.expand(rows, -1), logits_to_keep=1, **self._kwargs).logits[:, -1].float()
         else:
             self._logits = state.last_logits.expand(rows, -1)
