@@ -26,7 +26,14 @@ import torch
 import kvcert
 from kvcert.theory import passkey_prompt
 
-CONFIGS = ("a_full", "b_topk", "c_poisson", "d_poisson_cert", "e_poisson_cert_oracle")
+OPTIONS = {  # decode options per configuration, in table order
+    "a_full": dict(certify=False, oracle=False),
+    "b_topk": dict(certify=False, oracle=False),
+    "c_poisson": dict(certify=False, oracle=False),
+    "d_poisson_cert": dict(certify=True, oracle=False),
+    "e_poisson_cert_oracle": dict(certify=True, oracle=True),
+}
+CONFIGS = tuple(OPTIONS)
 
 
 def prompt_ids(tokenizer, target_tokens: int, seed: int = 0) -> torch.Tensor:
@@ -35,15 +42,6 @@ def prompt_ids(tokenizer, target_tokens: int, seed: int = 0) -> torch.Tensor:
     n_noise = max(4, round(target_tokens / per_paragraph) - 4)
     context, question, _ = passkey_prompt(n_noise=n_noise, n_needles=4, seed=seed)
     return tokenizer(context + question, return_tensors="pt").input_ids
-
-
-OPTIONS = {
-    "a_full": dict(certify=False, oracle=False),
-    "b_topk": dict(certify=False, oracle=False),
-    "c_poisson": dict(certify=False, oracle=False),
-    "d_poisson_cert": dict(certify=True, oracle=False),
-    "e_poisson_cert_oracle": dict(certify=True, oracle=True),
-}
 
 
 def interleaved_round(model, state, selections, new_tokens: int, reverse: bool) -> dict:

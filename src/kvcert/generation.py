@@ -318,10 +318,8 @@ def decode_batch(
     randomized: list[bool] | None = None,
 ) -> list[Decoded]:
     """Greedy generation for several configurations of one prompt at once, one batch row each (see ``Decoding``)."""
-    if not configurations:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-        return []
+    if not configurations and max_new_tokens >= 1:
+        return []  # nothing to decode; Decoding reports every bad argument, an empty list included
     decoding = Decoding(model, state, configurations, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
                         certify=certify, oracle=oracle, delta=delta, randomized=randomized)
     while decoding.advance():
