@@ -108,6 +108,13 @@ def _full_attention(grouped_q, layer: CompressedLayer, q_pos, sliding, scale: fl
     )
 
 
+def _kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The compiled kernel takes float32 CPU tensors whose last dimension is contiguous."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v)) and (
+        k.stride(-1) == 1 and v.stride(-1) == 1
+    )
+
+
 def kvcert_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -164,16 +171,22 @@ def kvcert_attention(
     if layer.compressed and (cache.certify or cache.oracle):
         # (b, kv_heads, ·, ·) -> (b·kv_heads, ·, ·): views, so that every matmul is one bmm
         flat = lambda t: t.reshape(b * hk, *t.shape[2:])  # noqa: E731
-        # Rows are never empty here: every query sees itself (an appended, certain slot).
-        out, weights = hajek_with_weights(flat(grouped_q), flat(key), flat(value), flat(grouped_bias), scale,
-                                          check_empty=False)
         full_out = None
         if cache.oracle and layer.prefix_keys is not None:
             full_out = flat(_full_attention(grouped_q, layer, q_pos, sliding, scale, group))
-        # Only the first n_sampled_slots slots can have π < 1 (derive sorts them first); the cache computes
-        # the variance from their weights once the forward pass is complete.
-        cache.add_step(module.layer_idx, (b, hk, group, m, out.shape[-1]), out,
-                       weights[..., : layer.n_sampled_slots], full_out)
+        shape = (b, hk, group, m, value.shape[-1])
+        kernel = cache.kernel if _kernel_applies(grouped_q, key, value) else None
+        if kernel is not None:
+            # One compiled pass gives the output and the per-coordinate variance (kvcert.kernels).
+            out, var = kernel(grouped_q.contiguous(), key, value, grouped_bias, layer.tail_weights, scale)
+            cache.add_step(module.layer_idx, shape, flat(out), None, full_out, var=flat(var))
+        else:
+            # Rows are never empty here: every query sees itself (an appended, certain slot).
+            out, weights = hajek_with_weights(flat(grouped_q), flat(key), flat(value), flat(grouped_bias), scale,
+                                              check_empty=False)
+            # Only the first n_sampled_slots slots can have π < 1 (derive sorts them first); the cache computes
+            # the variance from their weights once the forward pass is complete.
+            cache.add_step(module.layer_idx, shape, out, weights[..., : layer.n_sampled_slots], full_out)
     else:
         mask = grouped_bias.to(query.dtype) if grouped_bias is not None else None
         out = F.scaled_dot_product_attention(grouped_q, key, value, attn_mask=mask, scale=scale)

@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .designs import Selection
 from .estimator import TailMoments, linearized_variance, offset_bias, sampled_slots, tail_moments, tail_weight
+from .kernels import hajek_step_op
 
 _ACTIVE = threading.local()
 
@@ -75,16 +76,18 @@ class StepRecord:
 class _PendingStep:
     """One certified attention call, kept raw until its forward pass is complete.
 
-    out/full_out: (batch·kv_heads, group·m, dv); tail_weights: (batch·kv_heads, group·m, t), the softmax
-    weights of the layer's t sampled slots; shape = (batch, kv_heads, group, m, dv).
+    out/full_out: (batch·kv_heads, group·m, dv); shape = (batch, kv_heads, group, m, dv). Either
+    tail_weights, (batch·kv_heads, group·m, t), the softmax weights of the layer's t sampled slots, or var,
+    (batch·kv_heads, group·m, dv), the per-coordinate variance the compiled kernel already computed.
     """
 
     layer: int
     first_step: int
     shape: tuple[int, ...]
     out: torch.Tensor
-    tail_weights: torch.Tensor
+    tail_weights: torch.Tensor | None
     full_out: torch.Tensor | None
+    var: torch.Tensor | None = None
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -115,6 +118,7 @@ class CompressedLayer(CacheLayerMixin):
         self.prefix_values: torch.Tensor | None = None
         self.n_prefix_slots = 0
         self.n_sampled_slots = 0  # slots [0, n_sampled_slots) hold every π < 1 of every row (derive sorts them first)
+        self.tail_weights: torch.Tensor | None = None  # 1 − π of those slots, (batch, kv_heads, n_sampled_slots)
         self.compressed = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -215,6 +219,7 @@ class CompressedLayer(CacheLayerMixin):
                         k_max + reserve)
         layer.n_prefix_slots = k_max
         layer.n_sampled_slots = n_sampled
+        layer.tail_weights = tail_weight(log_pi[..., :n_sampled]).contiguous()
         layer.compressed = any(sel is not None for sel in selections)
         if oracle and layer.compressed:
             layer.prefix_keys, layer.prefix_values = self.keys, self.values
@@ -225,32 +230,35 @@ class CompressedCache(Cache):
     """A cache of ``CompressedLayer``s plus what the attention function should compute and record.
 
     certify: compute tr V̂ per step on compressed layers; oracle: keep the full cache beside and compute
-    the true error; records: one ``StepRecord`` per forward pass over compressed layers.
+    the true error; records: one ``StepRecord`` per forward pass over compressed layers. kernel: the
+    compiled ``hajek_step`` the attention function uses where it applies (None: the PyTorch path).
     """
 
     def __init__(self, layers: list[CompressedLayer], *, certify: bool = False, oracle: bool = False):
         super().__init__(layers=layers)
         self.certify = certify
         self.oracle = oracle
+        self.kernel = hajek_step_op() if certify or oracle else None
         self._records: list[StepRecord] = []
         self._pending: list[_PendingStep] = []
         self._moments: dict[tuple[int, ...], TailMoments] = {}
         self.compressed_length = max((layer.length for layer in layers), default=0)
 
-    def add_step(self, layer: int, shape: tuple[int, ...], out: torch.Tensor, tail_weights: torch.Tensor,
-                 full_out: torch.Tensor | None) -> None:
+    def add_step(self, layer: int, shape: tuple[int, ...], out: torch.Tensor, tail_weights: torch.Tensor | None,
+                 full_out: torch.Tensor | None, var: torch.Tensor | None = None) -> None:
         """Called by the attention function after each certified call on layer ``layer``.
 
         out/full_out: (batch·kv_heads, group·m, dv) with shape = (batch, kv_heads, group, m, dv);
         tail_weights: (batch·kv_heads, group·m, t), the weights of the layer's first t = n_sampled_slots
-        slots. Nothing is computed here: the variance and the statistics of a whole forward pass are
-        computed at once when the pass is complete (the next pass starts, or ``records`` is read), a few
-        kernels per step instead of a few per layer, off the attention's critical path.
+        slots, or None when var, (batch·kv_heads, group·m, dv), is given. Nothing is computed here: the
+        variance and the statistics of a whole forward pass are computed at once when the pass is complete
+        (the next pass starts, or ``records`` is read), a few kernels per step instead of a few per layer,
+        off the attention's critical path.
         """
         if self._pending and layer <= self._pending[-1].layer:
             self._flush()
         first_step = self.layers[layer].length - shape[3] - self.compressed_length
-        self._pending.append(_PendingStep(layer, first_step, shape, out, tail_weights, full_out))
+        self._pending.append(_PendingStep(layer, first_step, shape, out, tail_weights, full_out, var))
 
     def _flush(self) -> None:
         groups: dict[tuple, list[_PendingStep]] = {}
@@ -275,16 +283,32 @@ class CompressedCache(Cache):
             self._moments[layers] = tail_moments(values, one_minus_pi, per_coordinate=self.oracle)
         return self._moments[layers]
 
+    def _variance(self, steps: list[_PendingStep], out: torch.Tensor) -> torch.Tensor:
+        """The variance of each call, (L, batch·kv_heads, group·m, width): width dv per coordinate (oracle, or
+        every call computed by the kernel), else 1 (the trace). out: the calls' outputs, stacked."""
+        if all(s.var is not None for s in steps):
+            return torch.stack([s.var for s in steps])
+        fused = [i for i, s in enumerate(steps) if s.var is not None]
+        pending = [i for i, s in enumerate(steps) if s.var is None]
+        tail = self._tail_moments(tuple(steps[i].layer for i in pending), out.dtype)
+        weights = out.new_zeros((len(pending), *out.shape[1:-1], tail.one_minus_pi.shape[-1]))
+        for j, i in enumerate(pending):
+            weights[j, ..., : steps[i].tail_weights.shape[-1]] = steps[i].tail_weights
+        computed = linearized_variance(weights, out[pending], tail)
+        if not fused:
+            return computed
+        var = computed.new_empty((len(steps), *computed.shape[1:]))
+        var[pending] = computed
+        for i in fused:
+            var[i] = steps[i].var if tail.per_coordinate else steps[i].var.sum(-1, keepdim=True)
+        return var
+
     def _summarize(self, steps: list[_PendingStep]) -> StepRecord:
         """The StepRecord of the calls of one pass (same first_step and shape), computed for all layers at once."""
         shape = (len(steps), *steps[0].shape)  # (L, batch, kv_heads, group, m, dv)
         layers = tuple(s.layer for s in steps)
         out = torch.stack([s.out for s in steps])  # (L, batch·kv_heads, group·m, dv)
-        tail = self._tail_moments(layers, out.dtype)
-        weights = out.new_zeros((*out.shape[:-1], tail.one_minus_pi.shape[-1]))
-        for i, s in enumerate(steps):
-            weights[i, ..., : s.tail_weights.shape[-1]] = s.tail_weights
-        var = linearized_variance(weights, out, tail).reshape(*shape[:-1], -1)
+        var = self._variance(steps, out).reshape(*shape[:-1], -1)
         out = out.reshape(shape)
         reduce = (3, 5)  # the group's query heads and the value coordinates form one vector per KV head
         record = StepRecord(
