@@ -108,13 +108,6 @@ def _full_attention(grouped_q, layer: CompressedLayer, q_pos, sliding, scale: fl
     )
 
 
-def _kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The compiled kernel takes float32 CPU tensors whose last dimension is contiguous."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v)) and (
-        k.stride(-1) == 1 and v.stride(-1) == 1
-    )
-
-
 def kvcert_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -175,11 +168,11 @@ def kvcert_attention(
         if cache.oracle and layer.prefix_keys is not None:
             full_out = flat(_full_attention(grouped_q, layer, q_pos, sliding, scale, group))
         shape = (b, hk, group, m, value.shape[-1])
-        kernel = cache.kernel if _kernel_applies(grouped_q, key, value) else None
-        if kernel is not None:
-            # One compiled pass gives the output and the per-coordinate variance (kvcert.kernels).
-            out, var = kernel(grouped_q.contiguous(), key, value, grouped_bias, layer.tail_weights, scale)
-            cache.add_step(module.layer_idx, shape, flat(out), None, full_out, var=flat(var))
+        if cache.kernel is not None and query.dtype == torch.float32 and query.device.type == "cpu":
+            # One compiled pass gives the output and the per-coordinate variance (kvcert.kernels); the
+            # cache's keys and values are float32 too (they are the model's).
+            out, var = cache.kernel(grouped_q, key, value, grouped_bias, layer.tail_weights, scale)
+            cache.add_step(module.layer_idx, shape, out, None, full_out, var=var)
         else:
             # Rows are never empty here: every query sees itself (an appended, certain slot).
             out, weights = hajek_with_weights(flat(grouped_q), flat(key), flat(value), flat(grouped_bias), scale,

@@ -78,7 +78,8 @@ class _PendingStep:
 
     out/full_out: (batch·kv_heads, group·m, dv); shape = (batch, kv_heads, group, m, dv). Either
     tail_weights, (batch·kv_heads, group·m, t), the softmax weights of the layer's t sampled slots, or var,
-    (batch·kv_heads, group·m, dv), the per-coordinate variance the compiled kernel already computed.
+    the per-coordinate variance the compiled kernel already computed. With var, out and var may also come
+    unflattened, (batch, kv_heads, group·m, dv), as the kernel returns them.
     """
 
     layer: int
@@ -88,6 +89,15 @@ class _PendingStep:
     tail_weights: torch.Tensor | None
     full_out: torch.Tensor | None
     var: torch.Tensor | None = None
+
+
+def _stack_rows(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """Stack per-layer (batch·kv_heads, group·m, ·) or (batch, kv_heads, group·m, ·) tensors into
+    (L, batch·kv_heads, group·m, ·); shape = (L, batch, kv_heads, group, m, dv)."""
+    rows, width = shape[1] * shape[2], shape[3] * shape[4]
+    if all(t.shape == tensors[0].shape for t in tensors):
+        return torch.stack(tensors).reshape(len(tensors), rows, width, -1)
+    return torch.stack([t.reshape(rows, width, -1) for t in tensors])
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -287,7 +297,7 @@ class CompressedCache(Cache):
         """The variance of each call, (L, batch·kv_heads, group·m, width): width dv per coordinate (oracle, or
         every call computed by the kernel), else 1 (the trace). out: the calls' outputs, stacked."""
         if all(s.var is not None for s in steps):
-            return torch.stack([s.var for s in steps])
+            return _stack_rows([s.var for s in steps], (len(steps), *steps[0].shape))
         fused = [i for i, s in enumerate(steps) if s.var is not None]
         pending = [i for i, s in enumerate(steps) if s.var is None]
         tail = self._tail_moments(tuple(steps[i].layer for i in pending), out.dtype)
@@ -300,14 +310,15 @@ class CompressedCache(Cache):
         var = computed.new_empty((len(steps), *computed.shape[1:]))
         var[pending] = computed
         for i in fused:
-            var[i] = steps[i].var if tail.per_coordinate else steps[i].var.sum(-1, keepdim=True)
+            v = steps[i].var.reshape(var.shape[1:-1] + steps[i].var.shape[-1:])
+            var[i] = v if tail.per_coordinate else v.sum(-1, keepdim=True)
         return var
 
     def _summarize(self, steps: list[_PendingStep]) -> StepRecord:
         """The StepRecord of the calls of one pass (same first_step and shape), computed for all layers at once."""
         shape = (len(steps), *steps[0].shape)  # (L, batch, kv_heads, group, m, dv)
         layers = tuple(s.layer for s in steps)
-        out = torch.stack([s.out for s in steps])  # (L, batch·kv_heads, group·m, dv)
+        out = _stack_rows([s.out for s in steps], shape)  # (L, batch·kv_heads, group·m, dv)
         var = self._variance(steps, out).reshape(*shape[:-1], -1)
         out = out.reshape(shape)
         reduce = (3, 5)  # the group's query heads and the value coordinates form one vector per KV head

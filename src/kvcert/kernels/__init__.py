@@ -5,7 +5,8 @@ variance in one pass over the keys and values (``hajek_step.cpp`` states the con
 optional accelerator of ``kvcert.estimator``, which stays the reference: where no compiler is found, or
 with ``KVCERT_KERNELS=0``, ``hajek_step_op()`` returns None and callers use the PyTorch path.
 The build goes to PyTorch's extension directory (``TORCH_EXTENSIONS_DIR``), under a name that hashes the
-source, the flags and the CPU, so that machines sharing a home directory never load each other's build.
+source, the flags, the torch version and the CPU, so that machines sharing a home directory never load
+each other's build.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import sys
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -45,13 +47,17 @@ def hajek_step_op():
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     if not hasattr(torch.ops.kvcert, "hajek_step"):
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
         flags = _flags()
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_signature().encode())
+        key = " ".join([*flags, torch.__version__, _cpu_signature()])  # a build links against this torch
+        digest = hashlib.sha256(SOURCE.read_bytes() + key.encode())
+        name = f"kvcert_kernels_{digest.hexdigest()[:16]}"
         try:
-            load(name=f"kvcert_kernels_{digest.hexdigest()[:16]}", sources=[str(SOURCE)], extra_cflags=flags,
-                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
+                print(f"kvcert: compiling {SOURCE.name} for this CPU (once, about 20 s)", file=sys.stderr, flush=True)
+            load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                 is_python_module=False, verbose=False)
         except Exception as err:  # no compiler, no ninja, unsupported flags: the PyTorch path still works
             warnings.warn(f"kvcert: compiling {SOURCE.name} failed ({type(err).__name__}: {err}); "
                           "certified attention uses the PyTorch path", RuntimeWarning, stacklevel=2)
