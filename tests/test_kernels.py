@@ -69,6 +69,7 @@ def _max_rel(x, ref):
         dict(n=1300, t=1300, b=1, h=1, r=1),  # every slot sampled, one head: chunks must still merge
         dict(n=200, t=0),  # nothing sampled: zero variance
         dict(n=512, t=100, d=48, r=6),  # head size that is not a multiple of the vector width
+        dict(n=300, t=120, d=128, r=5),  # head size 128: row tiles of 2, 2 and 1
     ],
 )
 def test_kernel_matches_float64_estimator(op, shape):

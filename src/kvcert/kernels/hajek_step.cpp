@@ -73,6 +73,78 @@ inline float exp_approx(float x) {
   return p * two_n * keep;
 }
 
+// acc[r] += Σ_i w[r][i] v_i for the RT rows of a tile, with the RT × DV sums held in registers.
+template <int DV, int RT>
+void weighted_sum(const float* w, int64_t w_stride, const float* v, int64_t v_stride, int64_t len, float* acc,
+                  int64_t acc_stride) {
+  float a[RT][DV] = {};
+  for (int64_t i = 0; i < len; ++i) {
+    const float* vi = v + i * v_stride;
+#pragma GCC unroll 4
+    for (int r = 0; r < RT; ++r) {
+      const float wr = w[r * w_stride + i];
+#pragma omp simd
+      for (int j = 0; j < DV; ++j) a[r][j] += wr * vi[j];
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < DV; ++j) acc[r * acc_stride + j] += a[r][j];
+}
+
+// acc[r] += Σ_i c_ri (v_i − o_r)², c_ri = (1 − π_i) (e_ri f_r)², for the RT rows of a tile; terms with
+// c below the smallest normal float are dropped (lost to rounding anyway; subnormal arithmetic is slow).
+template <int DV, int RT>
+void weighted_squares(const float* e, int64_t e_stride, const float* f, const float* one_minus_pi, const float* v,
+                      int64_t v_stride, int64_t len, const float* o, int64_t o_stride, float* acc, int64_t acc_stride) {
+  float oo[RT][DV], p[RT][DV] = {};
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < DV; ++j) oo[r][j] = o[r * o_stride + j];
+  for (int64_t i = 0; i < len; ++i) {
+    const float w1 = one_minus_pi[i];
+    if (w1 == 0.f) continue;  // certain slot
+    const float* vi = v + i * v_stride;
+#pragma GCC unroll 4
+    for (int r = 0; r < RT; ++r) {
+      const float a = e[r * e_stride + i] * f[r];
+      float c = w1 * a * a;
+      c = c >= std::numeric_limits<float>::min() ? c : 0.f;
+#pragma omp simd
+      for (int j = 0; j < DV; ++j) {
+        const float diff = vi[j] - oo[r][j];
+        p[r][j] += c * diff * diff;
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < DV; ++j) acc[r * acc_stride + j] += p[r][j];
+}
+
+// Rows per register tile for head size DV (0: no specialization, use the generic loops).
+inline int tile_rows(int64_t dv) { return dv == 64 ? 4 : dv == 128 ? 2 : 0; }
+
+template <int DV>
+void weighted_sum_tile(int rt, const float* w, int64_t w_stride, const float* v, int64_t v_stride, int64_t len,
+                       float* acc, int64_t acc_stride) {
+  switch (rt) {
+    case 1: return weighted_sum<DV, 1>(w, w_stride, v, v_stride, len, acc, acc_stride);
+    case 2: return weighted_sum<DV, 2>(w, w_stride, v, v_stride, len, acc, acc_stride);
+    case 3: return weighted_sum<DV, 3>(w, w_stride, v, v_stride, len, acc, acc_stride);
+    default: return weighted_sum<DV, 4>(w, w_stride, v, v_stride, len, acc, acc_stride);
+  }
+}
+
+template <int DV>
+void weighted_squares_tile(int rt, const float* e, int64_t e_stride, const float* f, const float* w1, const float* v,
+                           int64_t v_stride, int64_t len, const float* o, int64_t o_stride, float* acc,
+                           int64_t acc_stride) {
+  switch (rt) {
+    case 1: return weighted_squares<DV, 1>(e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride);
+    case 2: return weighted_squares<DV, 2>(e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride);
+    case 3: return weighted_squares<DV, 3>(e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride);
+    default: return weighted_squares<DV, 4>(e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride);
+  }
+}
+
 void check(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu(), "hajek_step: ", name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == at::kFloat, "hajek_step: ", name, " must be float32, got ", t.scalar_type());
@@ -164,7 +236,13 @@ std::tuple<at::Tensor, at::Tensor> hajek_step(const at::Tensor& q, const at::Ten
         chunk_max[task * R + r] = m;
         chunk_sum[task * R + r] = sum;
       }
-      for (int64_t i = 0; i < len; ++i) {
+      const int tile = tile_rows(dv);
+      for (int64_t r0 = 0; tile > 0 && r0 < R; r0 += tile) {
+        const int rt = static_cast<int>(std::min<int64_t>(tile, R - r0));
+        if (dv == 64) weighted_sum_tile<64>(rt, e + r0 * n, n, vb, vs[2], len, acc + r0 * dv, dv);
+        else weighted_sum_tile<128>(rt, e + r0 * n, n, vb, vs[2], len, acc + r0 * dv, dv);
+      }
+      for (int64_t i = 0; tile == 0 && i < len; ++i) {
         const float* vi = vb + i * vs[2];
         for (int64_t r = 0; r < R; ++r) {
           const float w = e[r * n + i];
@@ -218,7 +296,15 @@ std::tuple<at::Tensor, at::Tensor> hajek_step(const at::Tensor& q, const at::Ten
       const float* wb = wp + b * ws[0] + h * ws[1] + lo;
       const float* e = expo.data() + bh * R * n + lo;
       float* acc = chunk_var.data() + task * R * dv;
-      for (int64_t i = 0; i < len; ++i) {
+      const int tile = tile_rows(dv);
+      for (int64_t r0 = 0; tile > 0 && r0 < R; r0 += tile) {
+        const int rt = static_cast<int>(std::min<int64_t>(tile, R - r0));
+        const float* f = chunk_max.data() + task * R + r0;
+        const float* o = op + (bh * R + r0) * dv;
+        if (dv == 64) weighted_squares_tile<64>(rt, e + r0 * n, n, f, wb, vb, vs[2], len, o, dv, acc + r0 * dv, dv);
+        else weighted_squares_tile<128>(rt, e + r0 * n, n, f, wb, vb, vs[2], len, o, dv, acc + r0 * dv, dv);
+      }
+      for (int64_t i = 0; tile == 0 && i < len; ++i) {
         const float* vi = vb + i * vs[2];
         for (int64_t r = 0; r < R; ++r) {
           const float a = e[r * n + i] * chunk_max[task * R + r];
