@@ -130,6 +130,20 @@ def test_kernel_negligible_weights_give_zero_not_subnormal_variance(op):
     assert float(ref_var.abs().max()) < 1e-38 and bool((var == 0).all())
 
 
+def test_kernel_results_do_not_depend_on_the_thread_count(op):
+    """Chunks have a fixed size, so 1 and 2 threads sum in the same order: bit-identical results."""
+    q, k, v, log_pi = _inputs(5, n=1100, t=500)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(op, q, k, v, log_pi, 0.125)
+        torch.set_num_threads(2)
+        two = _run(op, q, k, v, log_pi, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
 def test_kernel_rejects_bad_inputs_with_the_argument_named(op):
     q, k, v, log_pi = _inputs(4, n=50, t=10)
     bias, w = offset_bias(log_pi).unsqueeze(-2), tail_weight(log_pi[..., :10]).contiguous()
