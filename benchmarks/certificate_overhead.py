@@ -6,8 +6,9 @@ Configurations, all on one shared prefill per context (question-aware pass-key p
 They are timed side by side, one forward pass at a time: a round starts one ``kvcert.Decoding`` per
 configuration and advances them in turn, pass by pass (the order reversed on every other pass), so the
 configurations' passes run tens of milliseconds apart and the drift of a shared machine hits them alike.
-A configuration's time in a round is its whole decode: set-up (deriving the cache), every pass (the
-certificate's per-prompt moments included) and the results (step records). The table reports the median
+A configuration's time in a round is its whole decode: set-up (deriving the cache), every pass and the
+results (step records). Certifying attention runs the compiled kernel where it applies (``kvcert.kernels``;
+``KVCERT_KERNELS=0`` measures the PyTorch path instead). The table reports the median
 milliseconds per decode step (that time / forward passes), the ratios d/c and e/c as the median of the
 per-round ratios with their interquartile range, after a warm-up round, and the bytes of the compressed
 prefix cache over the full one.
