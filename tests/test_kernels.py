@@ -125,7 +125,8 @@ def test_kernel_negligible_weights_give_zero_not_subnormal_variance(op):
     weights = torch.softmax(0.125 * q.double() @ k.double().transpose(-1, -2) + bias.double(), dim=-1)
     ref_out = weights @ v.double()
     c = (1 - log_pi.double().exp())[..., :100].unsqueeze(-2) * weights[..., :100] ** 2
-    ref_var = c @ (v.double()[..., :100, :] ** 2) - 2 * ref_out * (c @ v.double()[..., :100, :]) + ref_out**2 * c.sum(-1, keepdim=True)
+    tail = v.double()[..., :100, :]
+    ref_var = c @ tail**2 - 2 * ref_out * (c @ tail) + ref_out**2 * c.sum(-1, keepdim=True)
     assert _max_rel(out, ref_out) < 1e-5
     assert float(ref_var.abs().max()) < 1e-38 and bool((var == 0).all())
 
@@ -198,3 +199,48 @@ def test_generation_with_and_without_the_kernel_agree(arch, setting, monkeypatch
         assert real.any()
         np.testing.assert_allclose(a.steps["wald_coverage"][real], b.steps["wald_coverage"][real], rtol=0, atol=0.05)
     assert (fused[0].steps["trace_var"] > 0).any()
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_a_pass_mixing_kernel_and_pytorch_layers_records_the_same(oracle, op, monkeypatch):
+    """Layers on different devices or dtypes (e.g. a model split by device_map) can mix the kernel and the
+    PyTorch path within one pass; the pass's records must equal those of either path alone. Here layer 0
+    runs the kernel and layer 1 the PyTorch path (trace-only moments when serving, per coordinate with
+    the oracle)."""
+    from test_generation_tiny import _build, _prefill, _prompt
+    from transformers import AttentionInterface
+
+    from kvcert.attention import CACHE_KWARG, kvcert_attention
+    from kvcert.cache import active_cache
+
+    def mixed(module, query, key, value, attention_mask, **kwargs):
+        cache = kwargs.get(CACHE_KWARG) or active_cache(module.layer_idx, key)
+        if cache is not None and (cache.certify or cache.oracle):
+            cache.kernel = op if module.layer_idx == 0 else None
+        return kvcert_attention(module, query, key, value, attention_mask, **kwargs)
+
+    _, model, _ = _build("llama")
+    context, question = _prompt(6, n_context=200)
+    state = _prefill(model, context, question, "streaming")
+    poisson = kvcert.select(state, "snapkv", "poisson", 0.3, seed=5)
+    reference = kvcert.decode(model, state, poisson, max_new_tokens=5, certify=True, oracle=oracle)
+    from kvcert.cache import CompressedCache
+
+    mixed_passes = []
+    variance = CompressedCache._variance
+
+    def spy(self, steps, out):
+        mixed_passes.append({s.var is None for s in steps} == {True, False})
+        return variance(self, steps, out)
+
+    monkeypatch.setattr(CompressedCache, "_variance", spy)
+    AttentionInterface.register("kvcert_mixed", mixed)
+    model.set_attn_implementation("kvcert_mixed")  # after the prefill, which switches to "kvcert"
+    mixed_passes.clear()
+    result = kvcert.decode(model, state, poisson, max_new_tokens=5, certify=True, oracle=oracle)
+    assert mixed_passes and all(mixed_passes)  # every pass really mixed both kinds of layers
+    assert result.token_ids == reference.token_ids
+    keys = ["step", "layer", "kv_head"]
+    pd.testing.assert_frame_equal(result.steps[keys], reference.steps[keys])
+    assert set(result.steps["layer"]) == {0, 1} and (result.steps["trace_var"] > 0).all()
+    np.testing.assert_allclose(result.steps["trace_var"], reference.steps["trace_var"], rtol=1e-4, atol=1e-9)
