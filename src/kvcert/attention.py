@@ -171,7 +171,7 @@ def kvcert_attention(
         if cache.kernel is not None and query.dtype == torch.float32 and query.device.type == "cpu":
             # One compiled pass gives the output and the per-coordinate variance (kvcert.kernels); the
             # cache's keys and values are float32 too (they are the model's).
-            out, var = cache.kernel(grouped_q, key, value, grouped_bias, layer.tail_weights, scale)
+            out, var = cache.kernel(grouped_q, key, value, grouped_bias, layer.one_minus_pi, scale)
             cache.add_step(module.layer_idx, shape, out, None, full_out, var=var)
         else:
             # Rows are never empty here: every query sees itself (an appended, certain slot).

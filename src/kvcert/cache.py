@@ -128,7 +128,7 @@ class CompressedLayer(CacheLayerMixin):
         self.prefix_values: torch.Tensor | None = None
         self.n_prefix_slots = 0
         self.n_sampled_slots = 0  # slots [0, n_sampled_slots) hold every π < 1 of every row (derive sorts them first)
-        self.tail_weights: torch.Tensor | None = None  # 1 − π of those slots, (batch, kv_heads, n_sampled_slots)
+        self.one_minus_pi: torch.Tensor | None = None  # 1 − π of those slots, (batch, kv_heads, n_sampled_slots)
         self.compressed = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -229,7 +229,7 @@ class CompressedLayer(CacheLayerMixin):
                         k_max + reserve)
         layer.n_prefix_slots = k_max
         layer.n_sampled_slots = n_sampled
-        layer.tail_weights = tail_weight(log_pi[..., :n_sampled]).contiguous()
+        layer.one_minus_pi = tail_weight(log_pi[..., :n_sampled]).contiguous()
         layer.compressed = any(sel is not None for sel in selections)
         if oracle and layer.compressed:
             layer.prefix_keys, layer.prefix_values = self.keys, self.values
@@ -289,15 +289,16 @@ class CompressedCache(Cache):
             for j, i in enumerate(layers):
                 layer, t = self.layers[i], self.layers[i].n_sampled_slots
                 values[j, :, :t] = layer.values[:, :, :t].flatten(0, 1)
-                one_minus_pi[j, :, :t] = tail_weight(layer.log_pi[:, :, :t]).flatten(0, 1)
+                one_minus_pi[j, :, :t] = layer.one_minus_pi.flatten(0, 1)
             self._moments[layers] = tail_moments(values, one_minus_pi, per_coordinate=self.oracle)
         return self._moments[layers]
 
-    def _variance(self, steps: list[_PendingStep], out: torch.Tensor) -> torch.Tensor:
+    def _variance(self, steps: list[_PendingStep], out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The variance of each call, (L, batch·kv_heads, group·m, width): width dv per coordinate (oracle, or
-        every call computed by the kernel), else 1 (the trace). out: the calls' outputs, stacked."""
+        every call computed by the kernel), else 1 (the trace). out: the calls' outputs, stacked; shape:
+        (L, batch, kv_heads, group, m, dv)."""
         if all(s.var is not None for s in steps):
-            return _stack_rows([s.var for s in steps], (len(steps), *steps[0].shape))
+            return _stack_rows([s.var for s in steps], shape)
         fused = [i for i, s in enumerate(steps) if s.var is not None]
         pending = [i for i, s in enumerate(steps) if s.var is None]
         tail = self._tail_moments(tuple(steps[i].layer for i in pending), out.dtype)
@@ -319,7 +320,7 @@ class CompressedCache(Cache):
         shape = (len(steps), *steps[0].shape)  # (L, batch, kv_heads, group, m, dv)
         layers = tuple(s.layer for s in steps)
         out = _stack_rows([s.out for s in steps], shape)  # (L, batch·kv_heads, group·m, dv)
-        var = self._variance(steps, out).reshape(*shape[:-1], -1)
+        var = self._variance(steps, out, shape).reshape(*shape[:-1], -1)
         out = out.reshape(shape)
         reduce = (3, 5)  # the group's query heads and the value coordinates form one vector per KV head
         record = StepRecord(
