@@ -20,7 +20,8 @@ from kvcert import load_model
 from kvcert.data import load_items
 from kvcert.designs import DesignOptions
 from kvcert.generation import decode, decode_batch, eos_ids, prefill, select
-from kvcert.runner.cell import batches, derive_seed, tokenize_item
+from kvcert.generation import item_seed
+from kvcert.runner.cell import batches, item_prompt
 from kvcert.runner.config import Configuration, Grid
 
 POLICIES = ("snapkv", "tova")
@@ -36,11 +37,12 @@ def configurations() -> list[Configuration]:
 def _selections(state, conf, item):
     if conf.is_full:
         return None
-    return select(state, conf.policy, conf.design, conf.budget, derive_seed(conf.seed, item.id), DesignOptions())
+    return select(state, conf.policy, conf.design, conf.budget, item_seed(conf.seed, item.id), DesignOptions())
 
 
 def run_item(model, tokenizer, item, mode: str) -> float:
-    prefix, suffix = tokenize_item(tokenizer, item, "question_aware", 1 << 30, "error", item.max_new_tokens)
+    prompt = item_prompt(tokenizer, item, "question_aware", 1 << 30, "error")
+    prefix, suffix = prompt.prefix_ids, prompt.suffix_ids
     stop = eos_ids(model, tokenizer)
     options = {"max_new_tokens": item.max_new_tokens, "stop_ids": stop, "certify": True, "oracle": True}
     start = time.perf_counter()

@@ -132,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     model, tokenizer = kvcert.load_model(args.model)
-    kvcert.prepare_model(model)
     rows = [benchmark(model, tokenizer, n, args.budget, args.reps, args.new_tokens) for n in args.contexts]
 
     print(f"\nbudget {args.budget}, {args.new_tokens} new tokens, median of {args.reps} rounds of interleaved passes, "

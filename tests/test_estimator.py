@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvcert import EmptyRetainedSetError, certificate, hajek_attention
-from kvcert.estimator import hajek_with_bias, offset_bias, tail_moments, tail_weight
+from kvcert.estimator import hajek_with_bias, offset_bias, tail_moments, one_minus_pi
 
 
 def reference(q, k, v, log_pi, scale=None):
@@ -111,8 +111,8 @@ def test_trace_path_matches_reference(seed, dtype, offset, rtol, atol):
     ref_out, ref_var = reference(q, k, v, log_pi)
     q, k, v, log_pi = (x.to(dtype) for x in (q, k, v, log_pi))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    per_coordinate = tail_moments(v[..., :t, :], tail_weight(log_pi[..., :t]), per_coordinate=True)
-    trace_only = tail_moments(v[..., :t, :], tail_weight(log_pi[..., :t]), per_coordinate=False)
+    per_coordinate = tail_moments(v[..., :t, :], one_minus_pi(log_pi[..., :t]), per_coordinate=True)
+    trace_only = tail_moments(v[..., :t, :], one_minus_pi(log_pi[..., :t]), per_coordinate=False)
     bias = offset_bias(log_pi).unsqueeze(-2)
     out_c, var_c = hajek_with_bias(q, k, v, bias, scale, per_coordinate)
     out_t, var_t = hajek_with_bias(q, k, v, bias, scale, trace_only)
@@ -128,7 +128,7 @@ def test_trace_path_matches_reference(seed, dtype, offset, rtol, atol):
 def test_trace_path_without_sampled_slots_is_zero():
     q, k, v, _ = random_case(seed=9)
     log_pi = torch.zeros(k.shape[:-1], dtype=torch.float64)
-    tail = tail_moments(v[..., :0, :], tail_weight(log_pi[..., :0]), per_coordinate=False)
+    tail = tail_moments(v[..., :0, :], one_minus_pi(log_pi[..., :0]), per_coordinate=False)
     out, var = hajek_with_bias(q, k, v, offset_bias(log_pi).unsqueeze(-2), 0.5, tail)
     assert bool((var == 0).all()) and bool(torch.isfinite(out).all())
 

@@ -29,7 +29,7 @@ from transformers import (
 import kvcert
 from kvcert.attention import CACHE_KWARG
 from kvcert.generation import decode_batch
-from kvcert.sampling import budget_tokens
+from kvcert.sampling import retained_count
 
 VOCAB = 300
 WINDOW = 8  # sliding window, shorter than every prompt below
@@ -79,7 +79,6 @@ def _build(arch: str, seed: int = 0):
     torch.manual_seed(seed)
     reference = cls(cfg).eval()
     model = copy.deepcopy(reference)
-    kvcert.prepare_model(model)
     assert reference.config._attn_implementation == "sdpa"
     return reference, model, sliding
 
@@ -116,12 +115,13 @@ def _kvcert_logits(model, state, selections, tokens, *, certify: bool, oracle: b
     """Logits of the kvcert path on a derived cache, teacher-forced with ``tokens``; and the cache."""
     cache = state.cache.derive(selections, certify=certify, oracle=oracle)
     kwargs = {"cache": cache, "use_cache": True, CACHE_KWARG: cache}
-    if state.suffix_ids.shape[-1] > 0:
-        logits = [model(input_ids=state.suffix_ids, **kwargs).logits[0, -1]]
-    else:
-        logits = [state.last_logits[0]]
-    for token in tokens:
-        logits.append(model(input_ids=torch.tensor([[token]]), **kwargs).logits[0, -1])
+    with kvcert.attach(model):
+        if state.suffix_ids.shape[-1] > 0:
+            logits = [model(input_ids=state.suffix_ids, **kwargs).logits[0, -1]]
+        else:
+            logits = [state.last_logits[0]]
+        for token in tokens:
+            logits.append(model(input_ids=torch.tensor([[token]]), **kwargs).logits[0, -1])
     return torch.stack(logits).float(), cache
 
 
@@ -145,8 +145,8 @@ def test_budget_one_reproduces_stock_attention(arch):
                 diff = float((logits - ref_logits).abs().max())
                 assert diff <= ATOL, f"{arch} {setting} {design} certify={certify}: max |Δlogit| = {diff:.2e}"
                 if certify:
-                    assert cache.records, "a certifying cache records every compressed attention call"
-                    for rec in cache.records:
+                    assert cache.certificates.records, "a certifying cache records every compressed attention call"
+                    for rec in cache.certificates.records:
                         assert bool((rec.trace_var == 0).all())  # no tail: zero variance
                         assert float(rec.true_err.max()) < 1e-4
             decoded = kvcert.decode(model, state, selections, max_new_tokens=STEPS, certify=True, oracle=True)
@@ -193,7 +193,7 @@ def test_model_generate_runs_on_the_compressed_cache(arch, design):
     selections = kvcert.select(state, "snapkv", design, 0.25, seed=5)
     decoded = kvcert.decode(model, state, selections, max_new_tokens=6, certify=False)
     cache = state.cache.derive(selections)
-    with torch.no_grad():
+    with torch.no_grad(), kvcert.attach(model):
         out = model.generate(
             input_ids=torch.cat([context, question], -1),
             attention_mask=torch.ones((1, context.shape[-1] + question.shape[-1]), dtype=torch.long),
@@ -220,7 +220,7 @@ def test_compressed_budget_runs_with_physical_slots_near_budget(setting, design)
     state = _prefill(model, context, question, setting)
     n = state.context_tokens
     budget = 0.25
-    expected = budget_tokens(budget, n)
+    expected = retained_count(budget, n)
     assert expected == round(budget * n)  # long enough prompt: the sinks+recent floor is not binding
     selections = kvcert.select(state, "snapkv", design, budget, seed=7)
     decoded = kvcert.decode(model, state, selections, max_new_tokens=5, certify=True, oracle=True)
@@ -310,7 +310,7 @@ def test_recorded_trace_matches_hajek_attention_on_the_captured_queries(setting)
     recomputed from scratch, one query position at a time, with the causal and sliding-window masks folded
     into log π. Gemma3 has a sliding and a full layer; the streaming setting also has a multi-token pass.
     """
-    from transformers import AttentionInterface
+    from helpers.attention import interposed
 
     from kvcert.attention import kvcert_attention
     from kvcert.cache import active_cache
@@ -330,9 +330,8 @@ def test_recorded_trace_matches_hajek_attention_on_the_captured_queries(setting)
     context, question = _prompt(11, n_context=200)
     state = _prefill(model, context, question, setting)
     poisson = kvcert.select(state, "snapkv", "poisson", 0.3, seed=2)
-    AttentionInterface.register("kvcert_capture", capture)
-    model.set_attn_implementation("kvcert_capture")  # after the prefill, which switches to "kvcert"
-    decoded = kvcert.decode(model, state, poisson, max_new_tokens=5, certify=True)
+    with interposed(capture):  # decode attaches "kvcert": the wrapper records every call
+        decoded = kvcert.decode(model, state, poisson, max_new_tokens=5, certify=True)
     steps = decoded.steps.set_index(["step", "layer", "kv_head"])["trace_var"]
     prefix = state.prefix_ids.shape[-1]
     checked, windowed = 0, 0

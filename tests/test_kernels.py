@@ -15,7 +15,7 @@ import torch
 
 import kvcert
 from kvcert import kernels
-from kvcert.estimator import offset_bias, tail_weight
+from kvcert.estimator import offset_bias, one_minus_pi
 from kvcert.generation import decode_batch
 
 if os.environ.get(kernels.DISABLE_ENV) == "0":
@@ -54,7 +54,7 @@ def _run(op, q, k, v, log_pi, scale, bias=None):
     sampled = ((log_pi < 0) & torch.isfinite(log_pi)).flatten(0, -2).any(0)
     t = int(torch.nonzero(sampled).max()) + 1 if bool(sampled.any()) else 0
     bias = offset_bias(log_pi).unsqueeze(-2) if bias is None else bias
-    return op(q, k, v, bias, tail_weight(log_pi[..., :t]).contiguous(), scale)
+    return op(q, k, v, bias, one_minus_pi(log_pi[..., :t]).contiguous(), scale)
 
 
 def _max_rel(x, ref):
@@ -147,7 +147,7 @@ def test_kernel_results_do_not_depend_on_the_thread_count(op):
 
 def test_kernel_rejects_bad_inputs_with_the_argument_named(op):
     q, k, v, log_pi = _inputs(4, n=50, t=10)
-    bias, w = offset_bias(log_pi).unsqueeze(-2), tail_weight(log_pi[..., :10]).contiguous()
+    bias, w = offset_bias(log_pi).unsqueeze(-2), one_minus_pi(log_pi[..., :10]).contiguous()
     with pytest.raises(RuntimeError, match="k must be float32"):
         op(q, k.double(), v, bias, w, 0.1)
     with pytest.raises(RuntimeError, match="v .* does not match k"):
@@ -160,13 +160,28 @@ def test_kernel_rejects_bad_inputs_with_the_argument_named(op):
 
 def test_disabling_the_kernel_returns_none(monkeypatch):
     monkeypatch.setenv(kernels.DISABLE_ENV, "0")
-    kernels.hajek_step_op.cache_clear()
-    try:
-        assert kernels.hajek_step_op() is None
-    finally:
-        monkeypatch.delenv(kernels.DISABLE_ENV)
-        kernels.hajek_step_op.cache_clear()
+    assert kernels.hajek_step_op() is None
+    path = kernels.attention_path(torch.float32, "cpu")
+    assert (path.name, path.reason, path.op) == ("pytorch", "disabled by KVCERT_KERNELS=0", None)
+    monkeypatch.delenv(kernels.DISABLE_ENV)
     assert kernels.hajek_step_op() is not None
+
+
+@pytest.mark.parametrize("dtype, device, reason", [
+    (torch.bfloat16, "cpu", "dtype bfloat16: the compiled kernel is float32-only"),
+    (torch.float16, "cpu", "dtype float16: the compiled kernel is float32-only"),
+    (torch.float32, "cuda", "device cuda: the compiled kernel is CPU-only"),
+    (torch.float32, "meta", "device meta: the compiled kernel is CPU-only"),
+])
+def test_the_kernel_is_never_loaded_or_built_where_it_does_not_apply(dtype, device, reason, monkeypatch):
+    """GPU and non-float32 runs take the PyTorch path without touching the kernel (no build inside such jobs)."""
+    def refuse():
+        raise AssertionError("the kernel was loaded or built for a run it does not apply to")
+
+    monkeypatch.setattr(kernels, "_load", refuse)
+    path = kernels.attention_path(dtype, device)
+    assert (path.name, path.reason, path.op) == ("pytorch", reason, None)
+    assert path.as_dict() == {"path": "pytorch", "reason": reason}
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -184,8 +199,10 @@ def test_generation_with_and_without_the_kernel_agree(arch, setting, monkeypatch
     topk = kvcert.select(state, "snapkv", "topk", 0.3, seed=4)
     options = dict(max_new_tokens=6, certify=True, oracle=True)
     fused = decode_batch(model, state, [poisson, topk], **options)
-    monkeypatch.setattr("kvcert.cache.hajek_step_op", lambda: None)
+    monkeypatch.setenv(kernels.DISABLE_ENV, "0")
     plain = decode_batch(model, state, [poisson, topk], **options)
+    assert fused[0].attention_path == {"path": "kernel", "reason": ""}
+    assert plain[0].attention_path == {"path": "pytorch", "reason": "disabled by KVCERT_KERNELS=0"}
     for a, b in zip(fused, plain):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
@@ -207,16 +224,17 @@ def test_a_pass_mixing_kernel_and_pytorch_layers_records_the_same(oracle, op, mo
     PyTorch path within one pass; the pass's records must equal those of either path alone. Here layer 0
     runs the kernel and layer 1 the PyTorch path (trace-only moments when serving, per coordinate with
     the oracle)."""
+    from helpers.attention import interposed
     from test_generation_tiny import _build, _prefill, _prompt
-    from transformers import AttentionInterface
 
     from kvcert.attention import CACHE_KWARG, kvcert_attention
     from kvcert.cache import active_cache
+    from kvcert.certificates import CertificateRecorder
 
     def mixed(module, query, key, value, attention_mask, **kwargs):
         cache = kwargs.get(CACHE_KWARG) or active_cache(module.layer_idx, key)
-        if cache is not None and (cache.certify or cache.oracle):
-            cache.kernel = op if module.layer_idx == 0 else None
+        if cache is not None and cache.certificates is not None:
+            cache.certificates.kernel = op if module.layer_idx == 0 else None
         return kvcert_attention(module, query, key, value, attention_mask, **kwargs)
 
     _, model, _ = _build("llama")
@@ -224,20 +242,17 @@ def test_a_pass_mixing_kernel_and_pytorch_layers_records_the_same(oracle, op, mo
     state = _prefill(model, context, question, "streaming")
     poisson = kvcert.select(state, "snapkv", "poisson", 0.3, seed=5)
     reference = kvcert.decode(model, state, poisson, max_new_tokens=5, certify=True, oracle=oracle)
-    from kvcert.cache import CompressedCache
 
     mixed_passes = []
-    variance = CompressedCache._variance
+    variance = CertificateRecorder._variance
 
     def spy(self, steps, *rest):
         mixed_passes.append({s.var is None for s in steps} == {True, False})
         return variance(self, steps, *rest)
 
-    monkeypatch.setattr(CompressedCache, "_variance", spy)
-    AttentionInterface.register("kvcert_mixed", mixed)
-    model.set_attn_implementation("kvcert_mixed")  # after the prefill, which switches to "kvcert"
-    mixed_passes.clear()
-    result = kvcert.decode(model, state, poisson, max_new_tokens=5, certify=True, oracle=oracle)
+    monkeypatch.setattr(CertificateRecorder, "_variance", spy)
+    with interposed(mixed):
+        result = kvcert.decode(model, state, poisson, max_new_tokens=5, certify=True, oracle=oracle)
     assert mixed_passes and all(mixed_passes)  # every pass really mixed both kinds of layers
     assert result.token_ids == reference.token_ids
     keys = ["step", "layer", "kv_head"]

@@ -140,7 +140,7 @@ def test_low_precision_model_certificates_are_finite(tiny_models, dtype, option,
     context = torch.randint(0, VOCAB, (1, CONTEXT), generator=g)
     question = torch.randint(0, VOCAB, (1, 6), generator=g)
     prefix, suffix = (torch.cat([context, question], -1), None) if setting == "question_aware" else (context, question)
-    state = kvcert.prefill(model, prefix, suffix, setting=setting, window=4)
+    state = kvcert.prefill(model, prefix, suffix, setting=setting, observation_window=4)
     budget, options = OPTIONS[option]
     tail_counts, at_floor = [], False
     for seed in (0, 1):

@@ -164,7 +164,9 @@ def test_partial_run_of_another_configuration_is_refused(fixtures, tmp_path, cap
     out_dir = tmp_path / "cell"
     (out_dir / ".parts").mkdir(parents=True)
     marker = out_dir / ".parts" / "identity.json"
-    marker.write_text(json.dumps({"config": {"n_items": 99}, "items_sha256": "x"}))
+    from kvcert.provenance import code_fingerprint
+
+    marker.write_text(json.dumps({"config": {"n_items": 99}, "items_sha256": "x", "code_fingerprint": code_fingerprint()}))
     before = marker.read_text()
     rc = cli.main(_argv(RULER, [], fixtures, out_dir))
     last = _last_line(capsys.readouterr().err)

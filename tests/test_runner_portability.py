@@ -35,7 +35,7 @@ from helpers.cells import check_cell, expected_configurations, run_cell
 from helpers.tiny_gguf import converted_dir, shared_kvcert_cache, shared_tiny_gguf
 from helpers.workload import max_new_tokens, write_workload
 
-POLICIES = ["snapkv", "h2o", "tova", "knorm", "streaming", "uniform"]
+POLICIES = ["snapkv", "h2o", "tova", "knorm", "streamingllm", "uniform"]
 DESIGNS = ["topk", "poisson"]
 SETTINGS = ["question_aware", "streaming"]
 GRID = [f"policies=[{','.join(POLICIES)}]", f"designs=[{','.join(DESIGNS)}]", "budgets=[0.5]", "seeds=[0]"]
@@ -99,7 +99,7 @@ def _check_full_rows_match_stock_model(model, tokenizer, items, workload, tolera
     """
     from kvcert.data.jsonl import read_jsonl_items
     from kvcert.generation import eos_ids
-    from kvcert.runner.cell import tokenize_item
+    from kvcert.runner.cell import item_prompt
 
     path, _ = workload
     stop = eos_ids(model, tokenizer)
@@ -107,7 +107,7 @@ def _check_full_rows_match_stock_model(model, tokenizer, items, workload, tolera
     for item in read_jsonl_items(path):
         if item.id not in full.index:
             continue
-        ids, _ = tokenize_item(tokenizer, item, "question_aware", 1 << 30, "middle", item.max_new_tokens)
+        ids = item_prompt(tokenizer, item, "question_aware", 1 << 30, "middle").prefix_ids
         tokens, first = _stock_greedy(model, ids, item.max_new_tokens, stop)
         row = full.loc[item.id]
         assert row["prediction"] == tokenizer.decode(tokens, skip_special_tokens=True), item.id

@@ -155,7 +155,7 @@ def test_manifest_records_provenance(cell):
     for stage in ("load_model", "load_data", "prefill", "decode", "write", "total"):
         assert stage in wall and wall[stage] >= 0, stage
     assert wall["total"] >= max(v for k, v in wall.items() if k != "total")
-    assert manifest["n_items"] == N_ITEMS
+    assert manifest["n_shard_items"] == N_ITEMS
 
 
 def test_dataset_hash_is_the_hash_of_the_items(cell, tmp_path_factory):
@@ -179,7 +179,7 @@ def test_dataset_hash_is_the_hash_of_the_items(cell, tmp_path_factory):
 def test_config_yaml_round_trips(cell, tables, tmp_path, tmp_path_factory):
     """config.yaml is the composed config; running it again reproduces the item table."""
     from kvcert.runner.cell import run_cell
-    from kvcert.runner.cli import compose
+    from kvcert.hydra_app import compose
 
     tiny, out_dir, overrides = cell
     saved = OmegaConf.load(out_dir / "config.yaml")

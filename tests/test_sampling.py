@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvcert import budget_tokens, inclusion_probabilities, poisson_sample
+from kvcert import retained_count, inclusion_probabilities, poisson_sample
 
 N_SINK, N_RECENT = 4, 32
 
@@ -80,11 +80,11 @@ def test_tiny_budget_is_raised_to_sinks_plus_recent():
         assert abs(float(pi.double().sum(-1).max()) - (N_SINK + N_RECENT)) <= 1e-3
         assert bool((pi[..., _certain(n)] == 1).all())
         assert float(pi[..., ~_certain(n)].max()) <= 1e-3 + 1e-6  # nothing left for the tail but the floor
-    assert budget_tokens(0.01, n) == N_SINK + N_RECENT
-    assert budget_tokens(0.25, n) == 75
-    assert budget_tokens(1.0, n) == n
+    assert retained_count(0.01, n) == N_SINK + N_RECENT
+    assert retained_count(0.25, n) == 75
+    assert retained_count(1.0, n) == n
     with pytest.raises(ValueError):
-        budget_tokens(0.0, n)
+        retained_count(0.0, n)
 
 
 def test_nan_scores_rejected():

@@ -22,7 +22,7 @@ from scipy.stats import spearmanr
 
 import kvcert
 from kvcert.designs import DesignOptions, topk_design
-from kvcert.sampling import budget_tokens
+from kvcert.sampling import retained_count
 from kvcert.theory import passkey_prompt
 
 pytestmark = pytest.mark.smollm2
@@ -35,7 +35,6 @@ Z95 = 1.959963984540054
 @pytest.fixture(scope="module")
 def smollm2():
     model, tokenizer = kvcert.load_model("smollm2")
-    kvcert.prepare_model(model)
     return model, tokenizer
 
 
@@ -75,7 +74,7 @@ def _measure(state, step, policy, budget, seed, draws=DRAWS):
     g = torch.Generator().manual_seed(seed)
     opts = DesignOptions()
     n = state.context_tokens
-    count = budget_tokens(budget, n)
+    count = retained_count(budget, n)
     head_fraction = opts.head_fraction if kvcert.POLICIES[policy].certain_top_slice else 0.0
     err, trace, norm, wald = [], [], [], []
     for layer, scores in enumerate(state.scores(policy)):
@@ -111,7 +110,7 @@ def _topk_rel_err(state, step, budget):
 def test_library_design_matches_the_measured_design(first_step):
     """The π used below are the ``poisson`` design's π: the selection's log π equals log π at its indices."""
     state, _ = first_step
-    count = budget_tokens(0.25, state.context_tokens)
+    count = retained_count(0.25, state.context_tokens)
     selections = kvcert.select(state, "snapkv", "poisson", 0.25, seed=0)
     retained = []
     for scores, sel in zip(state.scores("snapkv"), selections):

@@ -2,7 +2,9 @@
 
 Public API (stable): ``hajek_attention``, ``inclusion_probabilities``, ``poisson_sample``, ``certificate``,
 ``generate``, ``prefill`` / ``select`` / ``decode`` (one shared prefill, many configurations),
-``CompressedCache``, ``prepare_model``, ``load_model``, and the registries ``POLICIES`` and ``DESIGNS``.
+``attach`` (the scoped switch to kvcert attention), ``CompressedCache`` (storage) and its
+``CertificateRecorder`` (statistics), ``load_model``, and the registries ``POLICIES`` and ``DESIGNS``.
+The formulas are in docs/METHOD.md, the vocabulary in docs/GLOSSARY.md.
 
 Names are imported on first use, so that command-line tools that need no model (the claim analyses)
 do not pay for importing torch and transformers.
@@ -13,25 +15,29 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "prepare_model": "attention",
+    "attach": "attention",
     "CompressedCache": "cache",
+    "CertificateRecorder": "certificates",
+    "StepRecord": "certificates",
     "DESIGNS": "designs",
     "DesignOptions": "designs",
     "Selection": "designs",
-    "EmptyRetainedSetError": "estimator",
+    "EmptyRetainedSetError": "errors",
     "certificate": "estimator",
     "hajek_attention": "estimator",
     "Decoding": "generation",
     "GenerationResult": "generation",
     "decode": "generation",
     "generate": "generation",
+    "item_seed": "generation",
     "prefill": "generation",
     "select": "generation",
     "load_model": "models",
     "load_tokenizer": "models",
     "POLICIES": "policies",
+    "build_prompt": "prompts",
     "LayerView": "policies",
-    "budget_tokens": "sampling",
+    "retained_count": "sampling",
     "inclusion_probabilities": "sampling",
     "poisson_sample": "sampling",
 }

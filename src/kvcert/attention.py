@@ -1,26 +1,32 @@
-"""The kvcert attention function, registered through ``transformers.AttentionInterface``.
+"""The kvcert attention function, registered through ``transformers.AttentionInterface``, and ``attach``,
+the scoped way a model uses it.
 
-The model's attention modules call it with post-RoPE queries and the slots the ``CompressedCache`` layer
-returned; the cache itself arrives as the ``kvcert_cache`` keyword that ``model(...)`` / ``generate(...)``
-forward to attention functions. Query heads are grouped by KV head (GQA) without repeating keys:
-queries (batch, q_heads, m, d) become (batch, kv_heads, group·m, d).
+The model's attention modules call ``kvcert_attention`` with post-RoPE queries and the slots the cache
+layer returned; the ``CompressedCache`` arrives as the ``kvcert_cache`` keyword that ``model(...)``
+forwards to attention functions (or, under ``model.generate``, is found as the cache this thread updated
+last). Query heads are grouped by KV head (GQA) without repeating keys: queries (batch, q_heads, m, d)
+become (batch, kv_heads, group·m, d). One small function per mode:
 
-Modes, by the layer's state:
-* prefill (the layer observes): causal attention; record the window queries and accumulated attention;
-* full cache: causal attention over all slots;
-* compressed: attention with the Hájek offset −log π; when the cache certifies (or is an oracle), the
-  Hájek estimator of ``kvcert.estimator`` runs in float32 and hands its output and the weights of the
-  sampled slots to the cache, which computes the variance and the statistics of a whole forward pass at
-  once (one ``StepRecord`` per pass).
+* ``plain_attention``: no kvcert cache (the model used normally while attached): causal attention, or
+  the model's own mask when a batch is padded;
+* ``prefill_attention``: a layer that observes (the prefill): record the observation window's queries
+  and, for H2O, the attention each key receives; then causal attention;
+* ``full_cache_attention``: an uncompressed layer: causal (and sliding-window) attention over its slots;
+* ``compressed_attention``: the Hájek offset −log π as an additive bias (docs/METHOD.md §3);
+* ``certified_attention``: the same estimate computed in float32 with its variance, handed to the cache's
+  ``CertificateRecorder`` (docs/METHOD.md §4), by the compiled kernel or by ``kvcert.estimator``.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import CompressedCache, CompressedLayer, active_cache
 from .estimator import compute_dtype, hajek_with_weights
@@ -28,6 +34,9 @@ from .estimator import compute_dtype, hajek_with_weights
 ATTENTION_NAME = "kvcert"
 CACHE_KWARG = "kvcert_cache"
 _H2O_CHUNK = 256
+
+
+# --- masks ----------------------------------------------------------------------------------------------
 
 
 def _allowed(k_pos: torch.Tensor, q_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -50,13 +59,45 @@ def _group(bias: torch.Tensor, group: int) -> torch.Tensor:
     return bias.unsqueeze(2).expand(b, h, group, m, n).reshape(b, h, group * m, n)
 
 
+def padding_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """The mask transformers builds for kvcert attention: None unless the batch is padded.
+
+    kvcert builds causal and sliding-window masks itself from slot positions; a padded batch is the one
+    thing it cannot know, so only then is a (batch, 1, q, kv) mask made (as for SDPA), which
+    ``plain_attention`` applies and a compressed cache refuses.
+    """
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return sdpa_mask(attention_mask=attention_mask, **{**kwargs, "allow_is_causal_skip": False})
+
+
+# --- modes ----------------------------------------------------------------------------------------------
+
+
+def plain_attention(module, query, key, value, attention_mask, scale: float, sliding: int | None, **kwargs):
+    """No kvcert cache: causal attention over whatever the model's own cache returned, (b, hq, m, d).
+
+    A padded batch arrives with the model's own mask and runs exactly as stock SDPA attention does.
+    """
+    if attention_mask is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scale,
+                                        sliding_window=sliding, **kwargs)
+        return out.transpose(1, 2)
+    m, n = query.shape[-2], key.shape[-2]
+    k_pos = torch.arange(n, device=key.device)
+    bias = _mask_bias(_allowed(k_pos, k_pos[n - m:], sliding), query.dtype)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=True)
+
+
 def _observe(layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, scale: float, sliding: int | None):
     """Record the last window queries and, if asked, the attention each key received during prefill."""
     obs = layer.observation
     queries = query.detach()
     if obs.window_queries is not None:
         queries = torch.cat([obs.window_queries, queries], dim=-2)
-    obs.window_queries = queries[..., -obs.window :, :].clone()
+    obs.window_queries = queries[..., -obs.window:, :].clone()
     if not obs.accumulate:
         return
     b, hq, m, _ = query.shape
@@ -66,26 +107,63 @@ def _observe(layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, sca
     q_pos_all = k_pos[-m:]
     total = torch.zeros((b, hq, n), dtype=torch.float32, device=key.device)
     for start in range(0, m, _H2O_CHUNK):
-        q = query[..., start : start + _H2O_CHUNK, :].detach().float()
+        q = query[..., start: start + _H2O_CHUNK, :].detach().float()
         logits = torch.matmul(q, keys.transpose(-1, -2)) * scale
-        allowed = _allowed(k_pos, q_pos_all[start : start + _H2O_CHUNK], sliding)
+        allowed = _allowed(k_pos, q_pos_all[start: start + _H2O_CHUNK], sliding)
         total += torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).sum(-2)
     if obs.accumulated_attention is not None:
         total[..., : obs.accumulated_attention.shape[-1]] += obs.accumulated_attention
     obs.accumulated_attention = total
 
 
-def _shared_matmul(x: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """x (b, h, r, c) @ shared (1, h, c, s) -> (b, h, r, s), folding the batch into rows.
+def prefill_attention(layer: CompressedLayer, query, key, value, scale: float, sliding: int | None):
+    """An observing layer: record what the policies need, then causal attention, (b, hq, m, d)."""
+    layer.sliding_window, layer.scale = sliding, scale
+    _observe(layer, query, key, scale, sliding)
+    m = query.shape[-2]
+    if sliding is None and m == key.shape[-2] and m > 1:
+        # A whole uncompressed prefix at once: plain causal attention, no explicit mask.
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
+    return full_cache_attention(layer, query, key, value, scale, sliding)
 
-    Broadcasting a batch-1 operand makes torch.matmul copy it once per row; folding avoids the copies.
-    """
-    b, h, r, c = x.shape
-    folded = x.transpose(0, 1).reshape(1, h, b * r, c)
-    return torch.matmul(folded, shared).reshape(h, b, r, -1).transpose(0, 1)
+
+def _grouped(layer: CompressedLayer, query: torch.Tensor, sliding: int | None, offset: bool):
+    """Queries grouped by KV head (b, kv_heads, group·m, d), their positions (b, kv_heads, m) and the additive
+    bias (b, kv_heads, group·m or 1, slots) in float32: the causal/window mask where needed (several query
+    positions, or a window), plus −log π when ``offset``; None when nothing is masked or offset."""
+    b, hq, m, d = query.shape
+    hk = layer.keys.shape[1]
+    group = hq // hk
+    q_pos = layer.positions[..., -m:]
+    bias = None
+    if m > 1 or sliding is not None:
+        bias = _mask_bias(_allowed(layer.positions, q_pos, sliding), torch.float32)
+    if offset:
+        offset_bias = layer.offset.unsqueeze(-2)  # (b, kv_heads, 1, slots)
+        bias = offset_bias if bias is None else bias + offset_bias
+    grouped_bias = _group(bias, group) if bias is not None else None
+    return query.reshape(b, hk, group * m, d), q_pos, grouped_bias
 
 
-def _full_attention(grouped_q, layer: CompressedLayer, q_pos, sliding, scale: float, group: int) -> torch.Tensor:
+def _sdpa(query, grouped_q, key, value, grouped_bias, scale: float) -> torch.Tensor:
+    mask = grouped_bias.to(query.dtype) if grouped_bias is not None else None
+    out = F.scaled_dot_product_attention(grouped_q, key, value, attn_mask=mask, scale=scale)
+    return out.to(query.dtype).reshape(*query.shape[:-1], -1)
+
+
+def full_cache_attention(layer: CompressedLayer, query, key, value, scale: float, sliding: int | None):
+    """An uncompressed layer: attention over all its slots with the causal/window mask, (b, hq, m, d)."""
+    grouped_q, _, grouped_bias = _grouped(layer, query, sliding, offset=False)
+    return _sdpa(query, grouped_q, key, value, grouped_bias, scale)
+
+
+def compressed_attention(layer: CompressedLayer, query, key, value, scale: float, sliding: int | None):
+    """A compressed layer without certificate: the Hájek offset −log π as an additive bias, (b, hq, m, d)."""
+    grouped_q, _, grouped_bias = _grouped(layer, query, sliding, offset=True)
+    return _sdpa(query, grouped_q, key, value, grouped_bias, scale)
+
+
+def _oracle_attention(grouped_q, layer: CompressedLayer, q_pos, sliding, scale: float, group: int) -> torch.Tensor:
     """The oracle: the same grouped queries over the uncompressed prefix plus the appended tokens.
 
     grouped_q: (b, kv_heads, group·m, d); the prefix (1, kv_heads, n, d) is shared by all batch rows, the
@@ -108,6 +186,48 @@ def _full_attention(grouped_q, layer: CompressedLayer, q_pos, sliding, scale: fl
     )
 
 
+def _shared_matmul(x: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """x (b, h, r, c) @ shared (1, h, c, s) -> (b, h, r, s), folding the batch into rows.
+
+    Broadcasting a batch-1 operand makes torch.matmul copy it once per row; folding avoids the copies.
+    """
+    b, h, r, c = x.shape
+    folded = x.transpose(0, 1).reshape(1, h, b * r, c)
+    return torch.matmul(folded, shared).reshape(h, b, r, -1).transpose(0, 1)
+
+
+def certified_attention(cache: CompressedCache, layer_idx: int, query, key, value, scale: float, sliding: int | None):
+    """A compressed layer with certificate: the Hájek estimate in float32 and its variance, handed to the
+    cache's recorder with the oracle's full-cache output in oracle mode. Returns (b, hq, m, d) in the query
+    dtype. The compiled kernel computes output and variance in one pass where it applies; otherwise the
+    estimator's output and the attention weights of the sampled slots go to the recorder, which computes
+    the variance once the forward pass is complete."""
+    layer = cache.layers[layer_idx]
+    recorder = cache.certificates
+    b, hq, m, _ = query.shape
+    hk = key.shape[1]
+    grouped_q, q_pos, grouped_bias = _grouped(layer, query, sliding, offset=True)
+    # (b, kv_heads, ·, ·) -> (b·kv_heads, ·, ·): views, so that every matmul is one bmm
+    flat = lambda t: t.reshape(b * hk, *t.shape[2:])  # noqa: E731
+    full_out = None
+    if cache.oracle and layer.prefix_keys is not None:
+        full_out = flat(_oracle_attention(grouped_q, layer, q_pos, sliding, scale, hq // hk))
+    shape = (b, hk, hq // hk, m, value.shape[-1])
+    if recorder.kernel is not None:
+        out, var = recorder.kernel(grouped_q, key, value, grouped_bias, layer.one_minus_pi, scale)
+        recorder.add(layer_idx, shape, out, None, full_out, var=var)
+    else:
+        # Rows are never empty here: every query sees itself (an appended, certain slot).
+        out, weights = hajek_with_weights(flat(grouped_q), flat(key), flat(value), flat(grouped_bias), scale,
+                                          check_empty=False)
+        # Only the first n_sampled_slots slots can have π < 1 (derive sorts them first).
+        recorder.add(layer_idx, shape, out, weights[..., : layer.n_sampled_slots], full_out)
+    return out.to(query.dtype).reshape(b, hq, m, -1)
+
+
+# --- dispatch -------------------------------------------------------------------------------------------
+
+
 def kvcert_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -118,77 +238,60 @@ def kvcert_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over a ``CompressedCache`` layer.
-
-    query: (batch, q_heads, m, d); key/value: (batch, kv_heads, slots, d) as returned by the cache layer.
-    Returns (batch, m, q_heads, d) in the query dtype, and no attention weights.
-    """
+    """Attention as transformers calls it: query (batch, q_heads, m, d); key/value (batch, kv_heads, slots, d)
+    as the cache layer returned them. Returns (batch, m, q_heads, d) in the query dtype, and no weights."""
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("kvcert attention does not support attention logit soft-capping")
-    b, hq, m, d = query.shape
-    hk = key.shape[1]
-    group = hq // hk
-    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(d)
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    sliding = kwargs.pop("sliding_window", None)
     cache = kwargs.get(CACHE_KWARG)
     if not isinstance(cache, CompressedCache):
         cache = active_cache(module.layer_idx, key)  # e.g. model.generate(cache=...), which drops kvcert_cache
-    layer = cache.layers[module.layer_idx] if isinstance(cache, CompressedCache) else None
-    sliding = kwargs.get("sliding_window")
-    if layer is None:
-        # No kvcert cache: plain causal attention over whatever the model's own cache returned.
-        n = key.shape[-2]
-        k_pos = torch.arange(n, device=key.device)
-        bias = _mask_bias(_allowed(k_pos, k_pos[n - m :], sliding), query.dtype)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=True)
+    if cache is None:
+        kwargs.pop(CACHE_KWARG, None)
+        out = plain_attention(module, query, key, value, attention_mask, scale, sliding, **kwargs)
         return out.transpose(1, 2).contiguous(), None
-
+    if attention_mask is not None:
+        raise ValueError("kvcert: a padded batch cannot attend to a CompressedCache (its rows are configurations "
+                         "of one prompt); decode prompts one at a time")
+    layer = cache.layers[module.layer_idx]
     if layer.observation is not None:
-        layer.sliding_window, layer.scale = sliding, scale
-        _observe(layer, query, key, scale, sliding)
-
-    if not layer.compressed and sliding is None and m == key.shape[-2] and m > 1:
-        # A whole uncompressed prefix at once (the prefill): plain causal attention, no explicit mask.
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
-
-    q_pos = layer.positions[..., -m:]  # (b, kv_heads, m)
-    bias = None
-    if m > 1 or sliding is not None:
-        bias = _mask_bias(_allowed(layer.positions, q_pos, sliding), torch.float32)
-    if layer.compressed:
-        offset = layer.offset.unsqueeze(-2)  # (b, kv_heads, 1, slots)
-        bias = offset if bias is None else bias + offset
-    grouped_q = query.reshape(b, hk, group * m, d)
-    grouped_bias = _group(bias, group) if bias is not None else None
-
-    if layer.compressed and (cache.certify or cache.oracle):
-        # (b, kv_heads, ·, ·) -> (b·kv_heads, ·, ·): views, so that every matmul is one bmm
-        flat = lambda t: t.reshape(b * hk, *t.shape[2:])  # noqa: E731
-        full_out = None
-        if cache.oracle and layer.prefix_keys is not None:
-            full_out = flat(_full_attention(grouped_q, layer, q_pos, sliding, scale, group))
-        shape = (b, hk, group, m, value.shape[-1])
-        if cache.kernel is not None and query.dtype == torch.float32 and query.device.type == "cpu":
-            # One compiled pass gives the output and the per-coordinate variance (kvcert.kernels); the
-            # cache's keys and values are float32 too (they are the model's).
-            out, var = cache.kernel(grouped_q, key, value, grouped_bias, layer.one_minus_pi, scale)
-            cache.add_step(module.layer_idx, shape, out, None, full_out, var=var)
-        else:
-            # Rows are never empty here: every query sees itself (an appended, certain slot).
-            out, weights = hajek_with_weights(flat(grouped_q), flat(key), flat(value), flat(grouped_bias), scale,
-                                              check_empty=False)
-            # Only the first n_sampled_slots slots can have π < 1 (derive sorts them first); the cache computes
-            # the variance from their weights once the forward pass is complete.
-            cache.add_step(module.layer_idx, shape, out, weights[..., : layer.n_sampled_slots], full_out)
+        out = prefill_attention(layer, query, key, value, scale, sliding)
+    elif not layer.compressed:
+        out = full_cache_attention(layer, query, key, value, scale, sliding)
+    elif cache.certificates is None:
+        out = compressed_attention(layer, query, key, value, scale, sliding)
     else:
-        mask = grouped_bias.to(query.dtype) if grouped_bias is not None else None
-        out = F.scaled_dot_product_attention(grouped_q, key, value, attn_mask=mask, scale=scale)
-    out = out.to(query.dtype).reshape(b, hq, m, -1)
+        out = certified_attention(cache, module.layer_idx, query, key, value, scale, sliding)
     return out.transpose(1, 2).contiguous(), None
 
 
-def prepare_model(model):
-    """Register the kvcert attention function and switch ``model`` to it; returns the model."""
-    AttentionInterface.register(ATTENTION_NAME, kvcert_attention)
+def register() -> None:
+    """Register the attention function and its mask function under ``ATTENTION_NAME``, once per process
+    (a wrapper registered under the same name, e.g. by a test that records every call, is left in place)."""
+    if ATTENTION_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTENTION_NAME, kvcert_attention)
+    if ATTENTION_NAME not in AttentionMaskInterface._global_mapping:
+        AttentionMaskInterface.register(ATTENTION_NAME, padding_mask)
+
+
+@contextmanager
+def attach(model) -> Iterator:
+    """Inside the block, ``model`` runs kvcert attention; on exit, normal or by exception, its previous
+    attention implementation is restored. Nested use is a no-op. ``kvcert.prefill``, ``decode`` and
+    ``generate`` attach by themselves for their own forward passes; use it around your own calls, e.g.
+    ``model.generate(..., cache=compressed_cache)``.
+    """
+    register()
+    previous = model.config._attn_implementation
+    if previous == ATTENTION_NAME:
+        yield model
+        return
     model.set_attn_implementation(ATTENTION_NAME)
-    return model
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+
+
+__all__ = ["ATTENTION_NAME", "CACHE_KWARG", "attach", "kvcert_attention", "register"]

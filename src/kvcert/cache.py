@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .certificates import CertificateRecorder
 from .designs import Selection
-from .estimator import TailMoments, linearized_variance, offset_bias, sampled_slots, tail_moments, tail_weight
-from .kernels import hajek_step_op
+from .estimator import offset_bias, one_minus_pi, sampled_slots
+from .kernels import attention_path
 
 _ACTIVE = threading.local()
 
@@ -50,54 +51,6 @@ class Observation:
     accumulate: bool
     window_queries: torch.Tensor | None = None
     accumulated_attention: torch.Tensor | None = None
-
-
-WALD_Z = 1.959963984540054  # two-sided nominal 95% normal quantile
-
-
-@dataclass
-class StepRecord:
-    """Statistics of one forward pass over the compressed layers ``layers``, for query steps first_step, ….
-
-    Tensors are (len(layers), batch, kv_heads, m) for the m query positions of the pass, float32; the
-    query heads of a KV head are stacked into one output vector (so traces add and norms are of the
-    concatenation). true_err and wald_coverage are set in oracle mode.
-    """
-
-    layers: tuple[int, ...]
-    first_step: int
-    trace_var: torch.Tensor
-    out_norm: torch.Tensor
-    true_err: torch.Tensor | None = None
-    wald_coverage: torch.Tensor | None = None
-
-
-@dataclass
-class _PendingStep:
-    """One certified attention call, kept raw until its forward pass is complete.
-
-    out/full_out: (batch·kv_heads, group·m, dv); shape = (batch, kv_heads, group, m, dv). Either
-    tail_weights, (batch·kv_heads, group·m, t), the softmax weights of the layer's t sampled slots, or var,
-    the per-coordinate variance the compiled kernel already computed. With var, out and var may also come
-    unflattened, (batch, kv_heads, group·m, dv), as the kernel returns them.
-    """
-
-    layer: int
-    first_step: int
-    shape: tuple[int, ...]
-    out: torch.Tensor
-    tail_weights: torch.Tensor | None
-    full_out: torch.Tensor | None
-    var: torch.Tensor | None = None
-
-
-def _stack_rows(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-    """Stack per-layer (batch·kv_heads, group·m, ·) or (batch, kv_heads, group·m, ·) tensors into
-    (L, batch·kv_heads, group·m, ·); shape = (L, batch, kv_heads, group, m, dv)."""
-    rows, width = shape[1] * shape[2], shape[3] * shape[4]
-    if all(t.shape == tensors[0].shape for t in tensors):
-        return torch.stack(tensors).reshape(len(tensors), rows, width, -1)
-    return torch.stack([t.reshape(rows, width, -1) for t in tensors])
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -229,7 +182,7 @@ class CompressedLayer(CacheLayerMixin):
                         k_max + reserve)
         layer.n_prefix_slots = k_max
         layer.n_sampled_slots = n_sampled
-        layer.one_minus_pi = tail_weight(log_pi[..., :n_sampled]).contiguous()
+        layer.one_minus_pi = one_minus_pi(log_pi[..., :n_sampled]).contiguous()
         layer.compressed = any(sel is not None for sel in selections)
         if oracle and layer.compressed:
             layer.prefix_keys, layer.prefix_values = self.keys, self.values
@@ -237,110 +190,25 @@ class CompressedLayer(CacheLayerMixin):
 
 
 class CompressedCache(Cache):
-    """A cache of ``CompressedLayer``s plus what the attention function should compute and record.
+    """A ``transformers.Cache`` of ``CompressedLayer``s: it stores slots, nothing else.
 
-    certify: compute tr V̂ per step on compressed layers; oracle: keep the full cache beside and compute
-    the true error; records: one ``StepRecord`` per forward pass over compressed layers. kernel: the
-    compiled ``hajek_step`` the attention function uses where it applies (None: the PyTorch path).
+    certificates: the ``CertificateRecorder`` that the attention function hands its certified calls to
+    (None: no certificate is computed, compressed layers attend with the plain offset bias). It exists when
+    the cache was derived with ``certify`` or ``oracle``; ``oracle`` also keeps the full prefix beside.
     """
 
     def __init__(self, layers: list[CompressedLayer], *, certify: bool = False, oracle: bool = False):
         super().__init__(layers=layers)
-        self.certify = certify
         self.oracle = oracle
-        self.kernel = hajek_step_op() if certify or oracle else None
-        self._records: list[StepRecord] = []
-        self._pending: list[_PendingStep] = []
-        self._moments: dict[tuple[int, ...], TailMoments] = {}
-        self.compressed_length = max((layer.length for layer in layers), default=0)
-
-    def add_step(self, layer: int, shape: tuple[int, ...], out: torch.Tensor, tail_weights: torch.Tensor | None,
-                 full_out: torch.Tensor | None, var: torch.Tensor | None = None) -> None:
-        """Called by the attention function after each certified call on layer ``layer``.
-
-        out/full_out: (batch·kv_heads, group·m, dv) with shape = (batch, kv_heads, group, m, dv);
-        tail_weights: (batch·kv_heads, group·m, t), the weights of the layer's first t = n_sampled_slots
-        slots, or None when var, (batch·kv_heads, group·m, dv), is given. Nothing is computed here: the
-        variance and the statistics of a whole forward pass are computed at once when the pass is complete
-        (the next pass starts, or ``records`` is read), a few kernels per step instead of a few per layer,
-        off the attention's critical path.
-        """
-        if self._pending and layer <= self._pending[-1].layer:
-            self._flush()
-        first_step = self.layers[layer].length - shape[3] - self.compressed_length
-        self._pending.append(_PendingStep(layer, first_step, shape, out, tail_weights, full_out, var))
-
-    def _flush(self) -> None:
-        groups: dict[tuple, list[_PendingStep]] = {}
-        for step in self._pending:
-            groups.setdefault((step.first_step, step.shape, step.full_out is None), []).append(step)
-        self._records.extend(self._summarize(steps) for steps in groups.values())
-        self._pending = []
-
-    def _tail_moments(self, layers: tuple[int, ...], dtype: torch.dtype) -> TailMoments:
-        """TailMoments of the sampled slots of ``layers``, stacked: (L, batch·kv_heads, ·, ·), padded to the
-        longest tail with zero weight. The sampled slots never change, so this is computed once per group."""
-        if layers not in self._moments:
-            first = self.layers[layers[0]]
-            t_max = max(self.layers[i].n_sampled_slots for i in layers)
-            rows, dv = first.values.shape[0] * first.values.shape[1], first.values.shape[-1]
-            values = first.values.new_zeros((len(layers), rows, t_max, dv), dtype=dtype)
-            one_minus_pi = values.new_zeros((len(layers), rows, t_max))
-            for j, i in enumerate(layers):
-                layer, t = self.layers[i], self.layers[i].n_sampled_slots
-                values[j, :, :t] = layer.values[:, :, :t].flatten(0, 1)
-                one_minus_pi[j, :, :t] = layer.one_minus_pi.flatten(0, 1)
-            self._moments[layers] = tail_moments(values, one_minus_pi, per_coordinate=self.oracle)
-        return self._moments[layers]
-
-    def _variance(self, steps: list[_PendingStep], out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        """The variance of each call, (L, batch·kv_heads, group·m, width): width dv per coordinate (oracle, or
-        every call computed by the kernel), else 1 (the trace). out: the calls' outputs, stacked; shape:
-        (L, batch, kv_heads, group, m, dv)."""
-        if all(s.var is not None for s in steps):
-            return _stack_rows([s.var for s in steps], shape)
-        fused = [i for i, s in enumerate(steps) if s.var is not None]
-        pending = [i for i, s in enumerate(steps) if s.var is None]
-        tail = self._tail_moments(tuple(steps[i].layer for i in pending), out.dtype)
-        weights = out.new_zeros((len(pending), *out.shape[1:-1], tail.one_minus_pi.shape[-1]))
-        for j, i in enumerate(pending):
-            weights[j, ..., : steps[i].tail_weights.shape[-1]] = steps[i].tail_weights
-        computed = linearized_variance(weights, out[pending], tail)
-        if not fused:
-            return computed
-        var = computed.new_empty((len(steps), *computed.shape[1:]))
-        var[pending] = computed
-        for i in fused:
-            v = steps[i].var.reshape(var.shape[1:-1] + steps[i].var.shape[-1:])
-            var[i] = v if tail.per_coordinate else v.sum(-1, keepdim=True)
-        return var
-
-    def _summarize(self, steps: list[_PendingStep]) -> StepRecord:
-        """The StepRecord of the calls of one pass (same first_step and shape), computed for all layers at once."""
-        shape = (len(steps), *steps[0].shape)  # (L, batch, kv_heads, group, m, dv)
-        layers = tuple(s.layer for s in steps)
-        out = _stack_rows([s.out for s in steps], shape)  # (L, batch·kv_heads, group·m, dv)
-        var = self._variance(steps, out, shape).reshape(*shape[:-1], -1)
-        out = out.reshape(shape)
-        reduce = (3, 5)  # the group's query heads and the value coordinates form one vector per KV head
-        record = StepRecord(
-            layers=layers,
-            first_step=steps[0].first_step,
-            trace_var=var.sum(dim=reduce).float(),
-            out_norm=torch.linalg.vector_norm(out, dim=reduce).float(),
-        )
-        if steps[0].full_out is not None:
-            err = out - torch.stack([s.full_out.to(out.dtype) for s in steps]).reshape(shape)
-            record.true_err = torch.linalg.vector_norm(err, dim=reduce).float()
-            record.wald_coverage = (err.abs() <= WALD_Z * var.sqrt()).float().mean(dim=reduce)
-        return record
-
-    @property
-    def records(self) -> list[StepRecord]:
-        """The ``StepRecord``s of every pass so far (completing the current one)."""
-        if self._pending:
-            self._flush()
-        return self._records
+        self.certificates: CertificateRecorder | None = None
+        if certify or oracle:
+            first = next((layer for layer in layers if layer.is_initialized), None)
+            dtype = first.keys.dtype if first is not None else torch.float32
+            device = first.keys.device if first is not None else torch.device("cpu")
+            self.certificates = CertificateRecorder(
+                layers, max((layer.length for layer in layers), default=0), oracle=oracle,
+                path=attention_path(dtype, device),
+            )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Append to layer ``layer_idx`` (see ``CompressedLayer.update``) and mark this cache as the active one."""
@@ -348,9 +216,10 @@ class CompressedCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @classmethod
-    def for_prefill(cls, num_layers: int, window: int, accumulate: bool) -> CompressedCache:
+    def for_prefill(cls, num_layers: int, observation_window: int, accumulate: bool) -> CompressedCache:
         """An empty cache whose layers record the observation window (and accumulated attention)."""
-        layers = [CompressedLayer(None, Observation(window=window, accumulate=accumulate)) for _ in range(num_layers)]
+        layers = [CompressedLayer(None, Observation(window=observation_window, accumulate=accumulate))
+                  for _ in range(num_layers)]
         return cls(layers)
 
     def derive(
@@ -379,4 +248,4 @@ class CompressedCache(Cache):
         return CompressedCache(layers, certify=certify, oracle=oracle)
 
 
-__all__ = ["CompressedCache", "CompressedLayer", "Observation", "StepRecord", "active_cache"]
+__all__ = ["CompressedCache", "CompressedLayer", "Observation", "active_cache"]

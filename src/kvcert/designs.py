@@ -18,7 +18,7 @@ from .sampling import (
     DEFAULT_N_RECENT,
     DEFAULT_N_SINK,
     DEFAULT_PI_MIN,
-    budget_tokens,
+    retained_count,
     certain_mask,
     inclusion_probabilities,
     poisson_sample,
@@ -77,7 +77,7 @@ def topk_design(scores: torch.Tensor, budget: float, options: DesignOptions, gen
     scores: (batch, kv_heads, n); ties are broken by a seeded random jitter.
     """
     n = scores.shape[-1]
-    count = budget_tokens(budget, n, options.n_sink, options.n_recent)
+    count = retained_count(budget, n, options.n_sink, options.n_recent)
     certain = certain_mask(n, options.n_sink, options.n_recent, scores.device).expand_as(scores)
     jitter = torch.rand(scores.shape, generator=generator, dtype=torch.float64).to(scores.device)
     ranked = scores.to(torch.float64) + 1e-9 * jitter * scores.abs().amax(-1, keepdim=True).clamp_min(1e-30)
@@ -93,7 +93,7 @@ def poisson_design(scores: torch.Tensor, budget: float, options: DesignOptions, 
     scores: (batch, kv_heads, n) non-negative importance.
     """
     n = scores.shape[-1]
-    count = budget_tokens(budget, n, options.n_sink, options.n_recent)
+    count = retained_count(budget, n, options.n_sink, options.n_recent)
     pi = inclusion_probabilities(
         scores,
         count,

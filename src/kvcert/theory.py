@@ -1,4 +1,4 @@
-"""Why deterministic eviction cannot certify itself, and why the randomized design can (DESIGN §1).
+"""Why deterministic eviction cannot certify itself, and why the randomized design can (docs/METHOD.md).
 
 Theorem (non-identifiability). For one attention head with query q, keys k_i and values v_i, the full
 output is o = Σ_i w_i v_i / Σ_i w_i with w_i = exp(q·k_i · scale). A deterministic eviction policy
@@ -33,7 +33,7 @@ from .designs import DesignOptions, get_design
 from .estimator import certificate, hajek_attention
 from .generation import prefill
 from .policies import LayerView, get_policy
-from .sampling import budget_tokens, inclusion_probabilities, poisson_sample
+from .sampling import inclusion_probabilities, poisson_sample, retained_count
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 LABELS = ("red", "blue", "green", "silver", "golden", "purple", "orange", "violet")
@@ -92,10 +92,10 @@ class LayerState:
         return torch.matmul(q, self.keys.double().transpose(-1, -2)) * self.scale
 
 
-def layer_state(model, tokenizer, prompt: str, layer: int, window: int = 16) -> LayerState:
+def layer_state(model, tokenizer, prompt: str, layer: int, observation_window: int = 16) -> LayerState:
     """Prefill ``prompt`` and return layer ``layer``'s keys, values and queries (batch 1, squeezed)."""
     ids = tokenizer(prompt, return_tensors="pt").input_ids
-    state = prefill(model, ids, window=window)
+    state = prefill(model, ids, observation_window=observation_window)
     lyr = state.cache.layers[layer]
     obs = lyr.observation
     return LayerState(
@@ -288,7 +288,7 @@ def horvitz_thompson_unbiasedness(
     h, n, d = state.values.shape
     pol = get_policy(policy)
     opts = DesignOptions()
-    count = budget_tokens(budget, n, opts.n_sink, opts.n_recent)
+    count = retained_count(budget, n, opts.n_sink, opts.n_recent)
     scores = pol.score(state.view())[0]  # (h, n)
     pi = inclusion_probabilities(
         scores, count, n_sink=opts.n_sink, n_recent=opts.n_recent,
@@ -345,7 +345,6 @@ def main(argv: list[str] | None = None) -> int:
     """Print the two demonstrations on the bundled SmolLM2 model and a pass-key prompt."""
     import argparse
 
-    from .attention import prepare_model
     from .models import load_model
 
     parser = argparse.ArgumentParser(prog="python -m kvcert.theory", description=__doc__.split("\n\n")[0])
@@ -356,7 +355,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     model, tokenizer = load_model(args.model)
-    prepare_model(model)
     context, question, answer = passkey_prompt()
     state = layer_state(model, tokenizer, context + question, args.layer)
     demo = nonidentifiability_demo(model, tokenizer, layer=args.layer, budget=args.budget, state=state)

@@ -148,6 +148,6 @@ def check_cell(
     assert np.isfinite(err).all() and (err >= 0).all()
     assert steps[steps["design"] == "topk"]["cert"].isna().all()
 
-    assert manifest["n_items"] == len(item_ids)
+    assert manifest["n_shard_items"] == len(item_ids)
     assert manifest["n_item_rows"] == len(items)
     return items, steps, manifest

@@ -12,6 +12,7 @@ rule cell:
     log:
         f"{OUT}/logs/cells/{{cell}}-{{shard}}.log",
     params:
+        code=CODE_FINGERPRINT,  # reruns the cell when the library changes
         overrides=lambda wc: quoted(MODELS[CELLS[wc.cell]["model"]] + CELLS[wc.cell]["overrides"]),
         n_shards=lambda wc: CELLS[wc.cell]["shards"],
         out_dir=lambda wc: f"{OUT}/cells/{wc.cell}/shard-{wc.shard}",

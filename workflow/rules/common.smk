@@ -36,6 +36,16 @@ if not (REPO / "preregistration" / "prereg.lock").is_file():
          "(make lock, i.e. kvcert-prereg lock) before running the pipeline")
 S = yaml.safe_load(_scale_file.read_text())
 
+# Code fingerprints (kvcert.provenance): a job reruns when the code that decides its numbers changes
+# (Snakemake's params rerun trigger), and only then: an edit of README.md reruns nothing.
+try:
+    from kvcert.provenance import analysis_fingerprint, code_fingerprint
+except ImportError as _err:
+    fail(f"kvcert is not importable by this snakemake's Python ({_err}): install the project (make install) and "
+         "run the snakemake of that environment")
+CODE_FINGERPRINT = code_fingerprint()
+ANALYSIS_FINGERPRINT = analysis_fingerprint(REPO)
+
 OUT = str(config.get("outdir", S["outdir"]))
 FIG = str(config.get("figure_dir", S["figure_dir"] if "outdir" not in config else f"{OUT}/figures"))
 MODELS = S["models"]

@@ -1,4 +1,9 @@
 # Stage 1: fetch and convert each model once (the bundled GGUF is de-quantized and cached).
+# A local rule: on SLURM it runs on the submit host, where the network is (compute nodes often have none).
+
+localrules:
+    fetch_model,
+
 
 
 rule fetch_model:

@@ -13,5 +13,7 @@ rule aggregate:
         reproduction=report(f"{OUT}/reproduction.csv", category="Tables", caption="../report/reproduction.rst"),
     log:
         f"{OUT}/logs/aggregate.log",
+    params:
+        analysis=ANALYSIS_FINGERPRINT,
     shell:
         "python -m kvcert.analysis.aggregate {input} --out-dir {OUT} > {log} 2>&1"

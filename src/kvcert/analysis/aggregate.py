@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvcert.analysis.errors import AnalysisError
+from kvcert.atomic import write_text_atomic
 
 CLAIM_COLUMNS = ["claim", "title", "component", "estimate", "ci_low", "ci_high", "threshold",
                  "verdict", "paper_verdict", "agrees", "n"]
@@ -144,12 +144,6 @@ def to_latex(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def aggregate(paths: list[Path], out_dir: Path) -> list[Path]:
     """Write the four tables; returns their paths."""
     results = load_results(paths)
@@ -164,7 +158,7 @@ def aggregate(paths: list[Path], out_dir: Path) -> list[Path]:
         "reproduction.csv": reproduction_table(results).to_csv(index=False),
     }
     for name, text in outputs.items():
-        _write(out_dir / name, text)
+        write_text_atomic(text, out_dir / name)
     return [out_dir / n for n in outputs]
 
 

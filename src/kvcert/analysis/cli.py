@@ -10,8 +10,6 @@ Config: ``kvcert/conf/claim/claim.yaml`` (shipped inside the package).
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kvcert.analysis import claims, data, figures
 from kvcert.analysis.errors import AnalysisError
 from kvcert.analysis.prereg import claim_spec, load_claims, verify_lock
-from kvcert.runner.tables import unwritable_reason
+from kvcert.atomic import unwritable_reason, write_json_atomic
 
 EXIT_BAD_INPUT = 2
 # Values of claim.yaml that a caller of run() may leave out.
@@ -40,13 +38,6 @@ def _check_inputs(cells: list[str], needed: tuple[str, ...]) -> list[Path]:
             if not (d / f"{table}.parquet").is_file():
                 raise AnalysisError(f"{d / (table + '.parquet')}: missing")
     return dirs
-
-
-def _write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
 
 
 def run(cfg: dict) -> claims.ClaimResult:
@@ -75,7 +66,7 @@ def run(cfg: dict) -> claims.ClaimResult:
     result.details["inputs"] = [str(d) for d in dirs]
     if cfg.get("figures", True):
         result.details["figures"] = [str(p) for p in figures.save(result, cfg.get("figure_dir") or "paper_figures")]
-    _write_json(Path(cfg["out"]), result.to_dict())
+    write_json_atomic(result.to_dict(), Path(cfg["out"]))
     return result
 
 
@@ -109,7 +100,8 @@ def _check_writable(key: str, value: str, target: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: compose the config (Hydra overrides), run, print one summary or one error line."""
-    from kvcert.runner.cli import UsageError, check_top_level_keys, compose_or_show
+    from kvcert.errors import UsageError
+    from kvcert.hydra_app import check_top_level_keys, compose_or_show
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -1,9 +1,5 @@
-"""Errors raised by the analysis; their message is the one line a user sees."""
+"""Errors raised by the analysis (defined in ``kvcert.errors``; re-exported here for the analysis modules)."""
 
+from kvcert.errors import AnalysisError, PreregistrationError
 
-class AnalysisError(Exception):
-    """Bad or missing input to an analysis (names the file, key or value at fault)."""
-
-
-class PreregistrationError(AnalysisError):
-    """The pre-registration lock is missing or does not match the frozen files."""
+__all__ = ["AnalysisError", "PreregistrationError"]

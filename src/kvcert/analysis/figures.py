@@ -6,7 +6,6 @@ atomically (temporary file, then rename), so an interrupted run leaves no half-w
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Callable
 
@@ -17,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kvcert.analysis.claims import ClaimResult  # noqa: E402
+from kvcert.atomic import atomic_output  # noqa: E402
 
 SIGNAL_STYLE = {
     "certificate": {"color": "tab:blue", "label": "certificate (cert_mean)"},
@@ -109,6 +109,9 @@ def _curve(result: ClaimResult):
     return fig
 
 
+# No creation date or software string in the files: the same data give the same bytes on every run.
+REPRODUCIBLE = {"png": {"Software": None}, "pdf": {"CreationDate": None, "Producer": None, "Creator": None}}
+
 FIGURES: dict[str, Callable[[ClaimResult], "plt.Figure"]] = {
     "c1": _budget, "c2": _budget, "c3": _coverage, "c4": _roc, "c5": _curve, "c6": _roc, "c7": _curve,
 }
@@ -123,9 +126,8 @@ def save(result: ClaimResult, figure_dir: str | Path) -> list[Path]:
     try:
         for ext in ("png", "pdf"):
             target = figure_dir / f"{result.claim}.{ext}"
-            tmp = figure_dir / f".{result.claim}.{ext}.tmp"
-            fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight")
-            os.replace(tmp, target)
+            with atomic_output(target) as tmp:
+                fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight", metadata=REPRODUCIBLE[ext])
             written.append(target)
     finally:
         plt.close(fig)

@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from kvcert.analysis.errors import AnalysisError, PreregistrationError
+from kvcert.atomic import write_text_atomic
 
 PREREG_DIR = "preregistration"
 CLAIMS_FILE = f"{PREREG_DIR}/claims.yaml"
@@ -37,6 +38,11 @@ FROZEN_FILES = (
 )
 CLAIM_KEYS = ("id", "title", "hypothesis", "population", "metric", "test", "decision", "paper_verdict", "paper_number")
 PAPER_VERDICTS = ("supported", "not supported")
+
+
+def frozen_files(root: str | Path) -> list[str]:
+    """Every file a lock under ``root`` freezes, and the locks themselves (repository-relative paths)."""
+    return [*FROZEN_FILES, LOCK_FILE]
 
 
 # --- paths and hashes --------------------------------------------------------------------------
@@ -86,9 +92,7 @@ def write_lock(root: str | Path, force: bool = False) -> Path:
         "files": list(FROZEN_FILES),
         "sha256": _hashes(root),
     }
-    tmp = lock.with_suffix(".lock.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, lock)
+    write_text_atomic(json.dumps(payload, indent=2) + "\n", lock)
     return lock
 
 
@@ -235,7 +239,7 @@ def _cmd_render(args) -> str:
         if not target.is_file() or target.read_text() != text:
             raise AnalysisError(f"{RENDERED_FILE} differs from the render of {CLAIMS_FILE}: run kvcert-prereg render")
         return f"{RENDERED_FILE} is up to date"
-    target.write_text(text)
+    write_text_atomic(text, target)
     return f"wrote {target}"
 
 

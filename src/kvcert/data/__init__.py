@@ -2,8 +2,8 @@
 
 Every workload yields :class:`Item` objects. The contract with the runner:
 
-- the model input is exactly ``item.context + item.question + item.answer_prefix``
-  (:attr:`Item.prompt`), encoded as one string;
+- the model reads ``item.context`` followed by ``item.question + item.answer_prefix``, encoded by
+  ``kvcert.prompts.build_prompt`` (the context with the tokenizer's special tokens, the rest without);
 - ``context`` is the part that may be compressed before the question is known (the
   streaming / question-agnostic setting): the document or haystack, preceded by any
   template preamble (instructions that come before the document);

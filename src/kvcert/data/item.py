@@ -10,7 +10,8 @@ from typing import Any, Mapping
 class Item:
     """One prompt with its references.
 
-    The model input is ``context + question + answer_prefix`` (see :attr:`prompt`):
+    The model reads ``context``, then ``question + answer_prefix`` (``kvcert.prompts.build_prompt`` encodes
+    the two parts separately, the context with the tokenizer's special tokens):
     ``context`` is the part a streaming run compresses before the question is known;
     ``question`` and ``answer_prefix`` arrive afterwards and are never compressed.
     ``answer_prefix`` is text that opens the model's answer (RULER's "The pass key is"):
@@ -42,5 +43,6 @@ class Item:
 
     @property
     def prompt(self) -> str:
-        """The exact text given to the model."""
+        """The prompt as one text (for display and length checks; the model's token ids come from
+        ``kvcert.prompts.build_prompt``, which encodes the context and the rest separately)."""
         return self.context + self.question + self.answer_prefix

@@ -1,28 +1,50 @@
-"""Compiled CPU kernels, built once on first use with the machine's C++ compiler.
+"""Compiled CPU kernels: built once per machine by the install step, loaded where they apply.
 
 ``hajek_step`` fuses one certified attention call: the Hájek output and the per-coordinate linearized
-variance in one pass over the keys and values (``hajek_step.cpp`` states the contract). It is an
-optional accelerator of ``kvcert.estimator``, which stays the reference: where no compiler is found, or
-with ``KVCERT_KERNELS=0``, ``hajek_step_op()`` returns None and callers use the PyTorch path.
-The build goes to PyTorch's extension directory (``TORCH_EXTENSIONS_DIR``), under a name that hashes the
-source, the flags, the torch version and the CPU, so that machines sharing a home directory never load
-each other's build.
+variance in one pass over the keys and values (``hajek_step.cpp`` states the contract, docs/METHOD.md §4).
+It is an optional accelerator of ``kvcert.estimator``, which stays the reference and runs wherever the
+kernel does not apply. ``attention_path(dtype, device)`` says which implementation certified attention
+uses and why: the kernel only for float32 on the CPU, never for GPUs or other dtypes (it is then never
+built), and not with ``KVCERT_KERNELS=0`` or where no compiler is found.
+
+Building: ``python -m kvcert.kernels build`` (``make install`` runs it) compiles into PyTorch's extension
+directory (``TORCH_EXTENSIONS_DIR``) under a name that hashes the source, the flags, the torch version and
+the CPU, so machines sharing a home directory never load each other's build. A built library is loaded
+directly. A missing one is built on first use under an exclusive ``flock`` (released by the kernel if the
+builder dies), so parallel jobs never compile at once, and a lock file left behind by a killed build is
+removed instead of waited on forever.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
 import sys
-import warnings
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 SOURCE = Path(__file__).with_name("hajek_step.cpp")
 DISABLE_ENV = "KVCERT_KERNELS"
+
+
+@dataclass(frozen=True)
+class AttentionPath:
+    """Which implementation certified attention runs: ``kernel`` (the compiled op) or ``pytorch``
+    (``kvcert.estimator``), and why not the kernel (empty for the kernel). The two differ only in
+    float32 rounding."""
+
+    name: str
+    reason: str = ""
+    op: Callable | None = field(default=None, compare=False, repr=False)
+
+    def as_dict(self) -> dict[str, str]:
+        return {"path": self.name, "reason": self.reason}
 
 
 def _cpu_signature() -> str:
@@ -41,28 +63,100 @@ def _flags() -> list[str]:
     return ["-O3", "-fopenmp", *arch]
 
 
+def build_name() -> str:
+    """The extension's name: hashes the source, flags, torch version and CPU (a build links against them)."""
+    key = " ".join([*_flags(), torch.__version__, _cpu_signature()])
+    return f"kvcert_kernels_{hashlib.sha256(SOURCE.read_bytes() + key.encode()).hexdigest()[:16]}"
+
+
+def build_directory() -> Path:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(build_name(), verbose=False))
+
+
+def library_path() -> Path:
+    return build_directory() / f"{build_name()}.so"
+
+
+def build(quiet: bool = False) -> Path:
+    """Compile the kernel library if it is not built yet; returns its path. Raises on a failed build.
+
+    Holds an exclusive flock beside the build directory while building, so concurrent callers wait for one
+    build instead of compiling at once. PyTorch's own lock file (``<build dir>/lock``) is waited on forever
+    if a killed build left it behind; under our flock no other kvcert build can be running, so a leftover
+    one is stale and is removed.
+    """
+    from torch.utils.cpp_extension import load
+
+    directory = build_directory()
+    target = directory / f"{build_name()}.so"
+    with open(directory.parent / f".{directory.name}.kvcert-lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        (directory / "lock").unlink(missing_ok=True)
+        if not quiet:
+            print(f"kvcert: compiling {SOURCE.name} for this CPU (once, about 20 s)", file=sys.stderr, flush=True)
+        load(name=build_name(), sources=[str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"],
+             build_directory=str(directory), is_python_module=False, verbose=False)
+    return target
+
+
 @lru_cache(maxsize=1)
-def hajek_step_op():
-    """``torch.ops.kvcert.hajek_step``, compiled on first call; None when disabled or the build fails."""
+def _load() -> tuple[Callable | None, str]:
+    """(``torch.ops.kvcert.hajek_step`` or None, why not). Builds on first use if needed."""
+    if hasattr(torch.ops.kvcert, "hajek_step"):
+        return torch.ops.kvcert.hajek_step, ""
+    try:
+        path = library_path()
+        if not path.exists():
+            path = build()  # loads it too
+        if not hasattr(torch.ops.kvcert, "hajek_step"):
+            torch.ops.load_library(str(path))
+    except Exception as err:  # noqa: BLE001 - no compiler, no ninja, unsupported flags: the PyTorch path still works
+        reason = f"build failed ({type(err).__name__}: {' '.join(str(err).split())[:300]})"
+        print(f"kvcert: compiling {SOURCE.name} failed; certified attention uses the PyTorch path: {reason}",
+              file=sys.stderr, flush=True)
+        return None, reason
+    return torch.ops.kvcert.hajek_step, ""
+
+
+def attention_path(dtype: torch.dtype, device: torch.device | str) -> AttentionPath:
+    """The certified-attention implementation for a model of ``dtype`` on ``device``, with the reason.
+
+    Loads (or, once, builds) the kernel only when it applies: float32 on the CPU, kernels not disabled.
+    """
     if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None
-    if not hasattr(torch.ops.kvcert, "hajek_step"):
-        from torch.utils.cpp_extension import _get_build_directory, load
-
-        flags = _flags()
-        key = " ".join([*flags, torch.__version__, _cpu_signature()])  # a build links against this torch
-        digest = hashlib.sha256(SOURCE.read_bytes() + key.encode())
-        name = f"kvcert_kernels_{digest.hexdigest()[:16]}"
-        try:
-            if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
-                print(f"kvcert: compiling {SOURCE.name} for this CPU (once, about 20 s)", file=sys.stderr, flush=True)
-            load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                 is_python_module=False, verbose=False)
-        except Exception as err:  # no compiler, no ninja, unsupported flags: the PyTorch path still works
-            warnings.warn(f"kvcert: compiling {SOURCE.name} failed ({type(err).__name__}: {err}); "
-                          "certified attention uses the PyTorch path", RuntimeWarning, stacklevel=2)
-            return None
-    return torch.ops.kvcert.hajek_step
+        return AttentionPath("pytorch", f"disabled by {DISABLE_ENV}=0")
+    kind = torch.device(device).type
+    if kind != "cpu":
+        return AttentionPath("pytorch", f"device {kind}: the compiled kernel is CPU-only")
+    if dtype != torch.float32:
+        return AttentionPath("pytorch", f"dtype {str(dtype).removeprefix('torch.')}: the compiled kernel is float32-only")
+    op, reason = _load()
+    if op is None:
+        return AttentionPath("pytorch", reason)
+    return AttentionPath("kernel", "", op)
 
 
-__all__ = ["DISABLE_ENV", "hajek_step_op"]
+def hajek_step_op() -> Callable | None:
+    """``torch.ops.kvcert.hajek_step`` (built or loaded on first call), or None when disabled or unbuildable."""
+    return attention_path(torch.float32, "cpu").op
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvcert.kernels build``: compile the kernel now (the install step), or report why not."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv != ["build"]:
+        print("usage: python -m kvcert.kernels build", file=sys.stderr)
+        return 2
+    try:
+        print(f"kvcert: kernel library {build()}")
+    except Exception as err:  # noqa: BLE001 - a machine without a compiler still runs (PyTorch path)
+        print(f"kvcert: warning: the compiled kernel could not be built ({type(err).__name__}: "
+              f"{' '.join(str(err).split())[:300]}); certified attention will use the PyTorch path", file=sys.stderr)
+    return 0
+
+
+__all__ = ["DISABLE_ENV", "AttentionPath", "attention_path", "build", "hajek_step_op", "library_path"]

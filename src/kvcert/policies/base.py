@@ -83,8 +83,19 @@ def register_policy(name: str):
     return wrap
 
 
+# Old names: a config that still uses one gets a line saying what it is called now.
+RENAMED = {"streaming": "streamingllm"}
+
+
 def get_policy(name: str, **options) -> Policy:
     """Instantiate a registered policy by name; unknown names raise a one-line ValueError."""
     if name not in POLICIES:
-        raise ValueError(f"policy={name!r} is unknown; known: {sorted(POLICIES)}")
+        raise ValueError(f"policy={name!r} is unknown; known: {sorted(POLICIES)}{renamed_hint(name)}")
     return POLICIES[name](**options)
+
+
+def renamed_hint(name: str) -> str:
+    """' (renamed ...)' for an old policy name, else ''."""
+    if name in RENAMED:
+        return f" ('{name}' is a setting; the StreamingLLM policy is '{RENAMED[name]}')"
+    return ""

@@ -11,7 +11,6 @@ import hashlib
 import json
 import sys
 import time
-import zlib
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Mapping
@@ -20,73 +19,44 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from ..atomic import unwritable_reason, write_parquet_atomic, write_text_atomic
 from ..data import Item, is_correct, load_items, score_item
-from ..generation import FULL, Prefill, decode_batch, eos_ids, prefill, select
+from ..errors import ConfigError
+from ..generation import FULL, Prefill, decode_batch, eos_ids, item_seed, prefill, select
+from ..kernels import attention_path
 from ..models import ModelSpec, load_model
 from ..policies import get_policy
-from .config import CellConfig, ConfigError, Configuration, validate
+from ..prompts import PromptIds, build_prompt, model_limit
+from ..provenance import code_fingerprint, short
+from .config import CellConfig, Configuration, validate
 from .manifest import build_manifest
-from .tables import (
-    ITEM_COLUMNS,
-    logprob_summary,
-    summarize_steps,
-    tag_steps,
-    unwritable_reason,
-    write_parquet_atomic,
-    write_text_atomic,
-)
+from .tables import ITEM_COLUMNS, logprob_summary, summarize_steps, tag_steps
 
 PARTS = ".parts"
 # Keys that change what a cell computes; the rest (out_dir, progress, threads) do not.
 _IDENTITY_KEYS = (
     "data", "model", "policies", "designs", "budgets", "seeds", "extra_grids", "setting", "n_items", "shard", "n_shards",
-    "oracle", "certify", "delta", "window", "design_options", "max_context_tokens", "truncate",
+    "oracle", "certify", "delta", "observation_window", "design_options", "max_context_tokens", "truncate",
 )
 
 
-def derive_seed(seed: int, item_id: str) -> int:
-    """A per-item Poisson seed, so that items do not share one stream of draws."""
-    return zlib.crc32(f"{seed}:{item_id}".encode()) & 0x7FFFFFFF
-
-
-def _check_item(item: Item) -> None:
+def item_prompt(tokenizer, item: Item, setting: str, limit: int, truncate: str) -> PromptIds:
+    """The token ids of one item (``kvcert.prompts.build_prompt``, as ``kvcert.generate`` builds them)."""
     if not item.context or not item.context.strip():
         raise ConfigError(f"item {item.id!r}: empty context")
     if not item.answers:
         raise ConfigError(f"item {item.id!r}: no reference answers")
+    return build_prompt(tokenizer, item.context, item.question, item.answer_prefix, setting=setting,
+                        max_new_tokens=int(item.max_new_tokens), limit=limit, truncate=truncate,
+                        name=f"item {item.id!r}")
 
 
-def tokenize_item(tokenizer, item: Item, setting: str, limit: int, truncate: str, max_new_tokens: int):
-    """(prefix_ids, suffix_ids), each (1, ·), after fitting the prompt into ``limit`` tokens.
-
-    The context is tokenized with the tokenizer's special tokens and the question + answer prefix
-    without, so both settings see identical token ids. Truncation cuts the middle of the context.
-    """
-    _check_item(item)
-    context = tokenizer(item.context, add_special_tokens=True).input_ids
-    question = tokenizer(item.question + item.answer_prefix, add_special_tokens=False).input_ids
-    total = len(context) + len(question) + max_new_tokens
-    if total > limit:
-        if truncate == "error":
-            raise ConfigError(
-                f"item {item.id!r}: prompt + answer need {total} tokens > max_context_tokens={limit}; "
-                "set truncate=middle or raise max_context_tokens"
-            )
-        keep = limit - len(question) - max_new_tokens
-        if keep < 16:
-            raise ConfigError(f"item {item.id!r}: the question alone does not fit in max_context_tokens={limit}")
-        context = context[: keep // 2] + context[len(context) - (keep - keep // 2) :]
-    ids = torch.tensor([context + question]) if setting == "question_aware" else torch.tensor([context])
-    suffix = torch.tensor([[]], dtype=torch.long) if setting == "question_aware" else torch.tensor([question])
-    return ids, suffix
-
-
-def _identity(cfg: Mapping[str, Any], items: list[Item]) -> dict:
+def _identity(cfg: Mapping[str, Any], items: list[Item], fingerprint: str) -> dict:
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
     config = {k: plain.get(k) for k in _IDENTITY_KEYS}
-    return {"config": config, "items_sha256": dataset_hash(items)}
+    return {"config": config, "items_sha256": dataset_hash(items), "code_fingerprint": fingerprint}
 
 
 def dataset_hash(items: list[Item]) -> str:
@@ -107,16 +77,16 @@ def batches(configurations: list[Configuration]) -> list[list[Configuration]]:
     return [[c for c in configurations if c.is_full], *groups.values()]
 
 
-def run_item(model, tokenizer, item: Item, prompt, cell: CellConfig, meta: dict, timings: dict):
+def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, meta: dict, timings: dict):
     """All configurations of one item from one prefill: (item rows, step frame).
 
-    prompt: the item's (prefix_ids, suffix_ids) from ``tokenize_item``.
+    prompt: the item's token ids from ``item_prompt``.
     """
     max_new = int(item.max_new_tokens)
-    prefix_ids, suffix_ids = prompt
     accumulate = any(get_policy(p).needs_accumulated_attention for p in cell.all_policies)
     start = time.perf_counter()
-    state: Prefill = prefill(model, prefix_ids, suffix_ids, setting=cell.setting, window=cell.window, accumulate=accumulate)
+    state: Prefill = prefill(model, prompt.prefix_ids, prompt.suffix_ids, setting=cell.setting,
+                             observation_window=cell.observation_window, accumulate=accumulate)
     timings["prefill"] += time.perf_counter() - start
     stop = eos_ids(model, tokenizer)
     rows, steps = [], []
@@ -124,7 +94,7 @@ def run_item(model, tokenizer, item: Item, prompt, cell: CellConfig, meta: dict,
         start = time.perf_counter()
         selections = [
             None if conf.is_full else select(
-                state, conf.policy, conf.design, conf.budget, derive_seed(conf.seed, item.id), cell.options)
+                state, conf.policy, conf.design, conf.budget, item_seed(conf.seed, item.id), cell.options)
             for conf in group
         ]
         decoded_group = decode_batch(
@@ -150,12 +120,6 @@ def run_item(model, tokenizer, item: Item, prompt, cell: CellConfig, meta: dict,
     return pd.DataFrame(rows)[ITEM_COLUMNS], step_frame
 
 
-def _model_limit(model, cell: CellConfig) -> int:
-    config = model.config.get_text_config(decoder=True)
-    native = getattr(config, "max_position_embeddings", None) or 1 << 30
-    return min(cell.max_context_tokens or native, native)
-
-
 def run_cell(cfg, out_dir: str | Path) -> Path:
     """Run one cell described by a resolved run config; returns ``out_dir``."""
     from omegaconf import OmegaConf
@@ -178,19 +142,15 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
     timings["load_data"] = time.perf_counter() - start
     if not shard_items:
         raise ConfigError(f"shard={cell.shard} of n_shards={cell.n_shards} has no items (n_items={len(items)})")
-    limit = _model_limit(model, cell)
+    limit = model_limit(model, cell.max_context_tokens)
     # Every item's prompt is tokenized (and so checked) before anything is written.
-    prompts = [tokenize_item(tokenizer, item, cell.setting, limit, cell.truncate, int(item.max_new_tokens))
-               for item in shard_items]
+    prompts = [item_prompt(tokenizer, item, cell.setting, limit, cell.truncate) for item in shard_items]
 
     parts = out_dir / PARTS
-    identity = _identity(cfg, items)
+    identity = _identity(cfg, items, code_fingerprint())
     marker = parts / "identity.json"
-    if marker.exists() and json.loads(marker.read_text()) != json.loads(json.dumps(identity)):
-        raise ConfigError(
-            f"out_dir={out_dir} holds a partial run of a different configuration or dataset; "
-            "use another out_dir or delete it"
-        )
+    if marker.exists():
+        _check_resumable(json.loads(marker.read_text()), identity, out_dir)
     created = _created_dirs(parts)
     try:
         parts.mkdir(parents=True, exist_ok=True)
@@ -209,6 +169,22 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
                 leftover.unlink(missing_ok=True)
             _remove_empty(created)
         raise
+
+
+def _check_resumable(found: dict, identity: dict, out_dir: Path) -> None:
+    """Refuse checkpoints of another code fingerprint, configuration or dataset (nothing is written)."""
+    old, new = found.get("code_fingerprint"), identity["code_fingerprint"]
+    if old != new:
+        raise ConfigError(
+            f"out_dir={out_dir} holds checkpoints written by code {short(old)}, but this is code {short(new)}: "
+            f"items of the two would mix; delete {out_dir / PARTS} to start over (or rerun with the code that "
+            "wrote them)"
+        )
+    if found != json.loads(json.dumps(identity)):
+        raise ConfigError(
+            f"out_dir={out_dir} holds a partial run of a different configuration or dataset; "
+            "use another out_dir or delete it"
+        )
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -264,14 +240,20 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, prompts, p
     step_parts = [pd.read_parquet(parts / f"{i:06d}.steps.parquet") for i in range(len(shard_items))]
     step_parts = [p for p in step_parts if len(p)]
     steps_frame = pd.concat(step_parts, ignore_index=True) if step_parts else pd.DataFrame()
-    write_parquet_atomic(steps_frame, out_dir / "steps.parquet")
-    write_parquet_atomic(items_frame, out_dir / "items.parquet")
-    write_text_atomic(OmegaConf.to_yaml(cfg, resolve=True), out_dir / "config.yaml")
+    outputs = {"steps.parquet": out_dir / "steps.parquet", "items.parquet": out_dir / "items.parquet",
+               "config.yaml": out_dir / "config.yaml"}
+    write_parquet_atomic(steps_frame, outputs["steps.parquet"])
+    write_parquet_atomic(items_frame, outputs["items.parquet"])
+    write_text_atomic(OmegaConf.to_yaml(cfg, resolve=True), outputs["config.yaml"])
     timings["write"] += time.perf_counter() - start
     timings["total"] = time.perf_counter() - wall
-    manifest = build_manifest(spec, identity["items_sha256"], dict(timings), len(shard_items), len(items_frame))
+    parameter = next(model.parameters())
+    certified = (cell.certify or cell.oracle) and any(not c.is_full for c in cell.configurations())
+    path = attention_path(parameter.dtype, parameter.device).as_dict() if certified else None
+    manifest = build_manifest(spec, model, identity["items_sha256"], dict(timings), len(shard_items),
+                              len(items_frame), path, outputs, fingerprint=identity["code_fingerprint"])
     write_text_atomic(json.dumps(manifest, indent=2, sort_keys=True), out_dir / "manifest.json")
     return out_dir
 
 
-__all__ = ["Configuration", "derive_seed", "run_cell", "run_item", "tokenize_item", "FULL"]
+__all__ = ["Configuration", "FULL", "item_prompt", "run_cell", "run_item"]

@@ -6,12 +6,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..designs import DESIGNS, DesignOptions
-from ..generation import FULL, SETTINGS
+from ..errors import ConfigError
+from ..generation import FULL
 from ..policies import POLICIES
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be run; the message names the key and the value."""
+from ..policies.base import renamed_hint
+from ..prompts import SETTINGS, TRUNCATE
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class CellConfig:
     oracle: bool
     certify: bool
     delta: float
-    window: int
+    observation_window: int
     options: DesignOptions
     max_context_tokens: int | None
     truncate: str
@@ -94,7 +93,7 @@ def _names(cfg: Mapping[str, Any], key: str, known, prefix: str = "") -> tuple[s
         raise ConfigError(f"{name}={values!r}: expected a non-empty list, e.g. '{key}=[{example}]'")
     for value in values:
         if value not in known:
-            raise ConfigError(f"{name}: {value!r} is unknown; known: {sorted(known)}")
+            raise ConfigError(f"{name}: {value!r} is unknown; known: {sorted(known)}{renamed_hint(str(value))}")
     return tuple(str(v) for v in values)
 
 
@@ -197,8 +196,8 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
     if shard >= n_shards:
         raise ConfigError(f"shard={shard}: must be < n_shards={n_shards}")
     truncate = cfg.get("truncate")
-    if truncate not in ("middle", "error"):
-        raise ConfigError(f"truncate={truncate!r} is unknown; known: ['middle', 'error']")
+    if truncate not in TRUNCATE:
+        raise ConfigError(f"truncate={truncate!r} is unknown; known: {list(TRUNCATE)}")
     max_ctx = cfg.get("max_context_tokens")
     options = _design_options(cfg)
     if not 0.0 < options.pi_min <= 1.0:
@@ -224,7 +223,7 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
         oracle=_flag(cfg, "oracle"),
         certify=_flag(cfg, "certify"),
         delta=_number(cfg, "delta", float, low=0.0, high=0.999, low_open=True),
-        window=_number(cfg, "window", int, low=1),
+        observation_window=_number(cfg, "observation_window", int, low=1),
         options=options,
         max_context_tokens=None if max_ctx is None else _number(cfg, "max_context_tokens", int, low=8),
         truncate=truncate,

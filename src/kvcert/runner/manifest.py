@@ -1,16 +1,20 @@
-"""The provenance written beside a cell's tables: versions, commit, model and data hashes, timings."""
+"""The provenance written beside a cell's tables: which code (fingerprint, commit), which path (compiled
+kernel or PyTorch), which machine (device, dtype, versions), which inputs (model and dataset hashes) and
+which outputs (sha256 of every table), plus wall time per stage."""
 
 from __future__ import annotations
 
 import platform
-import subprocess
 from importlib import metadata
+from pathlib import Path
 
 import torch
 
 from ..models import ModelSpec, model_fingerprint
+from ..provenance import code_fingerprint, sha256_file, source_checkout
 
 _PACKAGES = ("kvcert", "torch", "transformers", "numpy", "pandas", "pyarrow", "hydra-core", "gguf", "safetensors")
+NO_CERTIFICATE = {"path": "none", "reason": "no certificate computed (certify=false and oracle=false)"}
 
 
 def _version(package: str) -> str | None:
@@ -20,29 +24,34 @@ def _version(package: str) -> str | None:
         return None
 
 
-def git_commit() -> str | None:
-    """The commit of the working directory's repository, with '+dirty' if it has changes; None outside git."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        if commit.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-        return commit.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-
-
-def build_manifest(spec: ModelSpec, dataset_sha256: str, timings: dict, n_items: int, n_rows: int) -> dict:
+def build_manifest(
+    spec: ModelSpec,
+    model,
+    dataset_sha256: str,
+    timings: dict,
+    n_shard_items: int,
+    n_rows: int,
+    attention_path: dict | None,
+    outputs: dict[str, Path],
+    fingerprint: str | None = None,
+) -> dict:
+    """The manifest of one finished cell. outputs: table name -> path (hashed here)."""
+    parameter = next(model.parameters())
     return {
+        "code_fingerprint": fingerprint or code_fingerprint(),
+        "source": source_checkout(),
+        "attention_path": attention_path or NO_CERTIFICATE,
+        "device": str(parameter.device),
+        "dtype": str(parameter.dtype).removeprefix("torch."),
+        "requested_device": spec.device,
         "packages": {p: _version(p) for p in _PACKAGES},
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
-        "device": spec.device,
-        "git_commit": git_commit(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "model": model_fingerprint(spec),
         "dataset_sha256": dataset_sha256,
-        "n_items": n_items,
+        "n_shard_items": n_shard_items,
         "n_item_rows": n_rows,
+        "outputs_sha256": {name: sha256_file(path) for name, path in sorted(outputs.items())},
         "wall_seconds": {k: round(v, 3) for k, v in timings.items()},
     }

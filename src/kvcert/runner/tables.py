@@ -8,20 +8,10 @@ deterministic designs for the certificate, oracle off for the error).
 
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 
-ITEM_COLUMNS = [
-    "item_id", "task", "policy", "design", "budget", "seed", "setting", "prediction", "score", "correct",
-    "logprob_mean", "logprob_min", "logprob_first", "cert_mean", "cert_max", "true_err_mean", "true_err_max",
-    "retained_tokens", "context_tokens", "new_tokens", "cache_bytes", "full_bytes", "metric", "model", "data",
-]
-KEY_COLUMNS = ["item_id", "policy", "design", "budget", "seed", "setting"]
-STEP_FLOAT32 = ["trace_var", "cert", "true_err", "rel_cert", "rel_err", "coverage", "wald_coverage"]
+from ..schema import ITEM_COLUMNS, KEY_COLUMNS, STEP_FLOAT32, STEP_INT32
 
 
 def summarize_steps(steps: pd.DataFrame) -> dict[str, float]:
@@ -56,48 +46,9 @@ def tag_steps(steps: pd.DataFrame, keys: dict) -> pd.DataFrame:
         out.insert(0, column, keys[column])
     for column in STEP_FLOAT32:
         out[column] = out[column].astype("float32")
-    for column in ("step", "layer", "kv_head"):
+    for column in STEP_INT32:
         out[column] = out[column].astype("int32")
     return out
 
 
-def unwritable_reason(target: Path) -> str | None:
-    """Why ``target`` (a directory to create or use) cannot be written, or None when it can.
-
-    The nearest existing ancestor decides: it must be a writable directory.
-    """
-    for path in (target, *target.parents):
-        if path.exists():
-            if not path.is_dir():
-                return f"{path} is not a directory"
-            if not os.access(path, os.W_OK | os.X_OK):
-                return f"{path} is not writable"
-            return None
-    return None
-
-
-def write_parquet_atomic(frame: pd.DataFrame, path: str | Path) -> None:
-    """Write ``frame`` to a temporary file beside ``path`` and rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        frame.to_parquet(tmp, index=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_text_atomic(text: str, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+__all__ = ["ITEM_COLUMNS", "KEY_COLUMNS", "logprob_summary", "summarize_steps", "tag_steps"]

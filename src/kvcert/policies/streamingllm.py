@@ -9,7 +9,7 @@ import torch
 from .base import LayerView, register_policy
 
 
-@register_policy("streaming")
+@register_policy("streamingllm")
 @dataclass
 class StreamingLLM:
     """Recency: with the design's attention sinks, the top-k keeps the sinks and the latest tokens."""

@@ -1,0 +1,39 @@
+"""The cell tables' columns: the contract between the cell runner, which writes them, and everything
+that reads them (claims, calibration, notebooks). Imports nothing from kvcert.
+
+``items.parquet``: one row per item × configuration (``ITEM_COLUMNS``); ``steps.parquet``: one row per
+item × configuration × query step × layer × KV head that attended to a compressed cache
+(``KEY_COLUMNS`` + ``STEP_COLUMNS``). See docs/GLOSSARY.md for the vocabulary.
+"""
+
+from __future__ import annotations
+
+# What identifies one configuration of one item (a "run"), in both tables.
+KEY_COLUMNS = ["item_id", "policy", "design", "budget", "seed", "setting"]
+
+ITEM_COLUMNS = [
+    "item_id", "task", "policy", "design", "budget", "seed", "setting", "prediction", "score", "correct",
+    "logprob_mean", "logprob_min", "logprob_first", "cert_mean", "cert_max", "true_err_mean", "true_err_max",
+    "retained_tokens", "context_tokens", "new_tokens", "cache_bytes", "full_bytes", "metric", "model", "data",
+]
+
+# Per (step, layer, kv_head) of one run: tr V̂, the certificate √(tr V̂/δ), the oracle's true error
+# ‖ô − o‖, both relative to ‖ô‖, whether the certificate covered the error, and the fraction of output
+# coordinates inside their 95% Wald interval.
+STEP_COLUMNS = [
+    "step", "layer", "kv_head", "trace_var", "cert", "true_err", "rel_cert", "rel_err", "coverage", "wald_coverage",
+]
+
+# Stored as float32 in steps.parquet (the statistics are computed in float32).
+STEP_FLOAT32 = ["trace_var", "cert", "true_err", "rel_cert", "rel_err", "coverage", "wald_coverage"]
+STEP_INT32 = ["step", "layer", "kv_head"]
+
+# Optional columns a calibrated run adds (kvcert.calibration): the calibrated certificate, its coverage
+# in oracle mode, and their item-level summaries.
+CALIBRATED_STEP_COLUMNS = ["cert_calibrated", "coverage_calibrated"]
+CALIBRATED_ITEM_COLUMNS = ["cert_calibrated_mean", "cert_calibrated_max", "coverage_calibrated"]
+
+__all__ = [
+    "CALIBRATED_ITEM_COLUMNS", "CALIBRATED_STEP_COLUMNS", "ITEM_COLUMNS", "KEY_COLUMNS", "STEP_COLUMNS",
+    "STEP_FLOAT32", "STEP_INT32",
+]

@@ -1,0 +1,143 @@
+"""The library's module graph: no import circles, and no module imports from a layer above it.
+
+Read from the source with ``ast`` (what the modules import, at any depth of the file, lazily or not), so
+the test sees every edge without importing anything. A new module must be given a layer here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "src" / "kvcert"
+
+# Lower layers never import higher ones; two units of one layer never import each other. A unit is a
+# module or a subpackage (``kvcert.runner`` covers every ``kvcert.runner.*`` module).
+LAYERS = {
+    "kvcert.errors": 0, "kvcert.defaults": 0, "kvcert.schema": 0, "kvcert.atomic": 0, "kvcert.provenance": 0,
+    "kvcert.hydra_app": 1, "kvcert.estimator": 1, "kvcert.sampling": 1, "kvcert.prompts": 1, "kvcert.kernels": 1,
+    "kvcert.data": 1,
+    "kvcert.designs": 2, "kvcert.policies": 2, "kvcert.models": 2,
+    "kvcert.certificates": 3, "kvcert.calibration": 3,
+    "kvcert.cache": 4,
+    "kvcert.attention": 5,
+    "kvcert.generation": 6,
+    "kvcert.theory": 7, "kvcert.costs": 7,
+    "kvcert.runner": 8, "kvcert.analysis": 8,
+    "kvcert": 9,  # the package's lazy public namespace
+}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _is_module(dotted: str) -> bool:
+    where = PACKAGE.parent / Path(*dotted.split("."))
+    return where.with_suffix(".py").is_file() or where.is_dir()
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (annotations only, never executed)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+def _imports(path: Path) -> set[str]:
+    """kvcert modules imported anywhere in ``path`` (absolute and relative imports resolved)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "kvcert")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "kvcert":
+                continue
+            # "from . import h2o" imports the module kvcert.policies.h2o; "from .x import f", the module x
+            submodules = [f"{target}.{a.name}" for a in node.names if _is_module(f"{target}.{a.name}")]
+            out.update(submodules)
+            if len(submodules) < len(node.names):
+                out.add(target)
+    out.discard(name)
+    return out
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return ".".join(parts[:n])
+    raise KeyError(module)
+
+
+GRAPH = {_module_name(p): _imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in GRAPH if not any(m == u or m.startswith(u + ".") for u in LAYERS))
+    assert not missing, f"give these modules a layer in LAYERS: {missing}"
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_no_import_from_a_layer_above_or_beside(module):
+    unit = _unit(module)
+    for target in sorted(GRAPH[module]):
+        other = _unit(target)
+        if other == unit:
+            continue
+        assert LAYERS[other] < LAYERS[unit], (
+            f"{module} (layer {LAYERS[unit]}) imports {target} (layer {LAYERS[other]}): a module may only import "
+            "lower layers")
+
+
+def test_no_import_circles():
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(GRAPH.get(node, ())):
+            if target not in GRAPH:
+                continue
+            if state.get(target) == 1:
+                cycle = stack[stack.index(target):] + [target]
+                raise AssertionError("import circle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(GRAPH):
+        if node not in state:
+            visit(node)
+
+
+def test_models_and_analysis_do_not_reach_into_the_runner():
+    assert not [t for t in GRAPH["kvcert.models"] if t.startswith("kvcert.runner")]
+    for module, targets in GRAPH.items():
+        if module.startswith("kvcert.analysis"):
+            assert not [t for t in targets if t.startswith("kvcert.runner")], module
+
+
+def test_the_graph_reader_sees_lazy_and_relative_imports():
+    """The reader itself: a function-level relative import is an edge (it would hide a circle otherwise)."""
+    assert "kvcert.cache" in GRAPH["kvcert.attention"]
+    assert "kvcert.runner.cell" in GRAPH["kvcert.runner.cli"]  # imported inside main()
+    assert "kvcert.policies.h2o" in GRAPH["kvcert.policies"]
