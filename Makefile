@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH_PIN)
 	$(BIN)/python -m pip install --quiet -e '.[workflow,data,test]'
+	# Compile the CPU kernel now, once, so that parallel jobs never build it at the same moment.
+	$(BIN)/python -m kvcert.kernels build
 	touch $@
 
 install: $(STAMP)

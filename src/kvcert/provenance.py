@@ -4,8 +4,8 @@
   ``kvcert`` package except the analysis package (modules, the kernel source, configs, data assets), plus
   the versions of torch and transformers. A cell records it; a resumed cell refuses checkpoints of another;
   the workflow reruns a cell when it changes.
-- ``analysis_fingerprint(root)``: sha256 over the analysis package and the pre-registration files (the
-  frozen thresholds and the code that applies them); the workflow reruns claims when it changes.
+- ``analysis_fingerprint(root)``: sha256 over the analysis package, its config and the pre-registration
+  files (the frozen thresholds and the code that applies them); the workflow reruns claims when it changes.
 - ``source_checkout()``: the git commit of the repository that holds the imported package (not of the
   working directory), and whether that package's files differ from the commit; None with a reason when
   the package is not inside a git checkout.
@@ -22,8 +22,8 @@ from importlib import metadata
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
-# Parts of the package that decide no cell's numbers: the analysis (it has its own fingerprint).
-_NOT_CELL_CODE = ("analysis",)
+# Parts of the package that decide no cell's numbers: the analysis and its config (their own fingerprint).
+_NOT_CELL_CODE = ("analysis", "conf/claim")
 _SKIP_DIRS = ("__pycache__",)
 _SKIP_SUFFIXES = (".pyc", ".pyo", ".so")
 # Versions that change numbers without a change of our code.
@@ -39,10 +39,14 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 
 def _files(root: Path, exclude: tuple[str, ...] = ()) -> list[Path]:
+    """Files under ``root`` in a stable order, without caches and hidden files and outside the ``exclude``d
+    sub-paths (relative, e.g. "conf/claim")."""
     out = []
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).parts
-        if not path.is_file() or rel[0] in exclude or any(p in _SKIP_DIRS for p in rel):
+        if not path.is_file() or any(p in _SKIP_DIRS for p in rel):
+            continue
+        if any(rel[: len(e.split("/"))] == tuple(e.split("/")) for e in exclude):
             continue
         if path.suffix in _SKIP_SUFFIXES or path.name.startswith("."):
             continue
@@ -74,8 +78,8 @@ def code_fingerprint(package: Path = PACKAGE) -> str:
 
 def analysis_fingerprint(root: str | Path | None = None, package: Path = PACKAGE) -> str:
     """sha256 (hex) of the analysis package and of ``<root>/preregistration/`` (claims, amendments, locks)."""
-    entries = [(f"analysis/{p.relative_to(package / 'analysis').as_posix()}", p.read_bytes())
-               for p in _files(package / "analysis")]
+    entries = [(p.relative_to(package).as_posix(), p.read_bytes())
+                for part in _NOT_CELL_CODE for p in _files(package / part)]
     if root is not None and (Path(root) / "preregistration").is_dir():
         prereg = Path(root) / "preregistration"
         entries += [(f"preregistration/{p.relative_to(prereg).as_posix()}", p.read_bytes()) for p in _files(prereg)]

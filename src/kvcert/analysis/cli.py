@@ -10,6 +10,7 @@ Config: ``kvcert/conf/claim/claim.yaml`` (shipped inside the package).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,11 +21,36 @@ from kvcert.analysis import claims, data, figures
 from kvcert.analysis.errors import AnalysisError
 from kvcert.analysis.prereg import claim_spec, load_claims, verify_lock
 from kvcert.atomic import unwritable_reason, write_json_atomic
+from kvcert.provenance import analysis_fingerprint, short
 
 EXIT_BAD_INPUT = 2
 # Values of claim.yaml that a caller of run() may leave out.
 DEFAULTS = {"cells": [], "figure_dir": "paper_figures", "figures": True, "prereg_root": ".", "scale": "default",
-            "n_boot": None, "seed": None}
+            "n_boot": None, "seed": None, "allow_mixed_code": False}
+
+
+def cell_fingerprints(dirs: list[Path]) -> dict[str, str | None]:
+    """The code fingerprint each cell's manifest.json records (None: no manifest, or one without it)."""
+    out = {}
+    for d in dirs:
+        manifest = d / "manifest.json"
+        try:
+            out[str(d)] = json.loads(manifest.read_text()).get("code_fingerprint") if manifest.is_file() else None
+        except (OSError, ValueError) as exc:
+            raise AnalysisError(f"{manifest}: unreadable manifest ({type(exc).__name__}: {exc})") from None
+    return out
+
+
+def _check_one_code(fingerprints: dict[str, str | None], allowed: bool) -> None:
+    """Cells computed by different code must not be pooled silently."""
+    by_code: dict[str | None, list[str]] = {}
+    for cell, fingerprint in fingerprints.items():
+        by_code.setdefault(fingerprint, []).append(cell)
+    if len(by_code) > 1 and not allowed:
+        groups = "; ".join(f"{short(fp)}: {', '.join(cells[:3])}{' ...' if len(cells) > 3 else ''}"
+                           for fp, cells in sorted(by_code.items(), key=lambda kv: str(kv[0])))
+        raise AnalysisError(f"the cells were computed by {len(by_code)} different codes ({groups}); rerun them with "
+                            "one code, or pass allow_mixed_code=true to pool them anyway")
 
 
 def _check_inputs(cells: list[str], needed: tuple[str, ...]) -> list[Path]:
@@ -56,6 +82,8 @@ def run(cfg: dict) -> claims.ClaimResult:
     spec = claim_spec(doc, claim_id)
     needed = claims.REGISTRY[claim_id].tables
     dirs = _check_inputs(list(cfg.get("cells") or []), needed)
+    fingerprints = cell_fingerprints(dirs)
+    _check_one_code(fingerprints, bool(cfg["allow_mixed_code"]))
     _check_writable("out", cfg["out"], Path(cfg["out"]).parent)
     if cfg.get("figures", True):
         _check_writable("figure_dir", cfg["figure_dir"], Path(cfg["figure_dir"]))
@@ -64,6 +92,9 @@ def run(cfg: dict) -> claims.ClaimResult:
                               n_boot=cfg.get("n_boot"), seed=cfg.get("seed"))
     result = claims.run_claim(claim_id, tables, spec, doc["conventions"], opts)
     result.details["inputs"] = [str(d) for d in dirs]
+    result.details["provenance"] = {"cell_code_fingerprints": fingerprints,
+                                    "analysis_fingerprint": analysis_fingerprint(root),
+                                    "allow_mixed_code": bool(cfg["allow_mixed_code"])}
     if cfg.get("figures", True):
         result.details["figures"] = [str(p) for p in figures.save(result, cfg.get("figure_dir") or "paper_figures")]
     write_json_atomic(result.to_dict(), Path(cfg["out"]))
@@ -84,8 +115,9 @@ def _check_config(cfg: dict) -> None:
             raise AnalysisError(f"{key}={value!r}: expected an integer or null")
     if cfg.get("n_boot") is not None and cfg["n_boot"] < 1:
         raise AnalysisError(f"n_boot={cfg['n_boot']}: must be >= 1")
-    if not isinstance(cfg.get("figures", True), bool):
-        raise AnalysisError(f"figures={cfg.get('figures')!r}: expected true or false")
+    for key in ("figures", "allow_mixed_code"):
+        if not isinstance(cfg.get(key), bool):
+            raise AnalysisError(f"{key}={cfg.get(key)!r}: expected true or false")
     for key in ("out", "figure_dir", "prereg_root", "scale"):
         if not isinstance(cfg.get(key), str) or not cfg.get(key):
             raise AnalysisError(f"{key}={cfg.get(key)!r}: expected a non-empty string")

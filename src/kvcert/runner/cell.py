@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 import time
 from collections import defaultdict
@@ -30,13 +31,14 @@ from ..prompts import PromptIds, build_prompt, model_limit
 from ..provenance import code_fingerprint, short
 from .config import CellConfig, Configuration, validate
 from .manifest import build_manifest
-from .tables import ITEM_COLUMNS, logprob_summary, summarize_steps, tag_steps
+from .tables import ITEM_COLUMNS, empty_step_table, logprob_summary, summarize_steps, tag_steps
 
 PARTS = ".parts"
 # Keys that change what a cell computes; the rest (out_dir, progress, threads) do not.
 _IDENTITY_KEYS = (
     "data", "model", "policies", "designs", "budgets", "seeds", "extra_grids", "setting", "n_items", "shard", "n_shards",
     "oracle", "certify", "delta", "observation_window", "design_options", "max_context_tokens", "truncate",
+    "store_steps",
 )
 
 
@@ -114,9 +116,9 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
                 "context_tokens": state.context_tokens, "new_tokens": len(decoded.token_ids),
                 "cache_bytes": decoded.cache_bytes, "full_bytes": decoded.full_bytes, "metric": item.metric, **meta,
             })
-            if len(decoded.steps):
+            if len(decoded.steps) and cell.store_steps:
                 steps.append(tag_steps(decoded.steps, keys))
-    step_frame = pd.concat(steps, ignore_index=True) if steps else pd.DataFrame()
+    step_frame = pd.concat(steps, ignore_index=True) if steps else empty_step_table()
     return pd.DataFrame(rows)[ITEM_COLUMNS], step_frame
 
 
@@ -151,6 +153,8 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
     marker = parts / "identity.json"
     if marker.exists():
         _check_resumable(json.loads(marker.read_text()), identity, out_dir)
+    elif parts.exists():
+        shutil.rmtree(parts)  # checkpoints nobody can vouch for (their identity was removed): never reused
     created = _created_dirs(parts)
     try:
         parts.mkdir(parents=True, exist_ok=True)
@@ -220,6 +224,7 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, prompts, p
     if spec.kind == "gguf":
         meta["model"] = Path(spec.path).stem
     done = [i for i in range(len(shard_items)) if (parts / f"{i:06d}.items.parquet").exists()]
+    timings["resumed_items"] = len(done)
     bar = tqdm(total=len(shard_items), initial=len(done), desc=f"cell shard {cell.shard}/{cell.n_shards}",
                unit="item", file=sys.stderr, disable=not cfg.get("progress", True), dynamic_ncols=True)
     for index, item in enumerate(shard_items):
@@ -239,7 +244,7 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, prompts, p
     )
     step_parts = [pd.read_parquet(parts / f"{i:06d}.steps.parquet") for i in range(len(shard_items))]
     step_parts = [p for p in step_parts if len(p)]
-    steps_frame = pd.concat(step_parts, ignore_index=True) if step_parts else pd.DataFrame()
+    steps_frame = pd.concat(step_parts, ignore_index=True) if step_parts else empty_step_table()
     outputs = {"steps.parquet": out_dir / "steps.parquet", "items.parquet": out_dir / "items.parquet",
                "config.yaml": out_dir / "config.yaml"}
     write_parquet_atomic(steps_frame, outputs["steps.parquet"])
@@ -253,6 +258,9 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, prompts, p
     manifest = build_manifest(spec, model, identity["items_sha256"], dict(timings), len(shard_items),
                               len(items_frame), path, outputs, fingerprint=identity["code_fingerprint"])
     write_text_atomic(json.dumps(manifest, indent=2, sort_keys=True), out_dir / "manifest.json")
+    # The cell is complete: its checkpoints are redundant, and a later run (another code, another config)
+    # must start from nothing rather than find them.
+    shutil.rmtree(parts)
     return out_dir
 
 

@@ -47,6 +47,7 @@ class CellConfig:
     max_context_tokens: int | None
     truncate: str
     extra_grids: tuple[Grid, ...] = ()
+    store_steps: bool = True
 
     @property
     def grids(self) -> tuple[Grid, ...]:
@@ -228,4 +229,5 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
         max_context_tokens=None if max_ctx is None else _number(cfg, "max_context_tokens", int, low=8),
         truncate=truncate,
         extra_grids=_extra_grids(cfg, seeds),
+        store_steps=_flag(cfg, "store_steps", True),
     )

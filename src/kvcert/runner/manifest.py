@@ -37,6 +37,7 @@ def build_manifest(
 ) -> dict:
     """The manifest of one finished cell. outputs: table name -> path (hashed here)."""
     parameter = next(model.parameters())
+    timings = dict(timings)
     return {
         "code_fingerprint": fingerprint or code_fingerprint(),
         "source": source_checkout(),
@@ -51,6 +52,7 @@ def build_manifest(
         "model": model_fingerprint(spec),
         "dataset_sha256": dataset_sha256,
         "n_shard_items": n_shard_items,
+        "n_resumed_items": int(timings.pop("resumed_items", 0)),  # taken from checkpoints of an interrupted run
         "n_item_rows": n_rows,
         "outputs_sha256": {name: sha256_file(path) for name, path in sorted(outputs.items())},
         "wall_seconds": {k: round(v, 3) for k, v in timings.items()},

@@ -39,6 +39,19 @@ def logprob_summary(logprobs: list[float]) -> dict[str, float]:
     }
 
 
+def empty_step_table() -> pd.DataFrame:
+    """A steps table with no rows but every column and dtype (a cell without compressed steps, or one that
+    does not store them, still offers the contract's columns to its readers)."""
+    frame = pd.DataFrame({c: pd.Series(dtype="object" if c in ("item_id", "policy", "design", "setting") else
+                                       "float64" if c == "budget" else "int64" if c == "seed" else "float32")
+                          for c in KEY_COLUMNS})
+    for column in STEP_INT32:
+        frame[column] = pd.Series(dtype="int32")
+    for column in STEP_FLOAT32:
+        frame[column] = pd.Series(dtype="float32")
+    return frame
+
+
 def tag_steps(steps: pd.DataFrame, keys: dict) -> pd.DataFrame:
     """Prefix a configuration's step rows with its key columns; floats stored as float32."""
     out = steps.copy()
@@ -51,4 +64,4 @@ def tag_steps(steps: pd.DataFrame, keys: dict) -> pd.DataFrame:
     return out
 
 
-__all__ = ["ITEM_COLUMNS", "KEY_COLUMNS", "logprob_summary", "summarize_steps", "tag_steps"]
+__all__ = ["ITEM_COLUMNS", "KEY_COLUMNS", "empty_step_table", "logprob_summary", "summarize_steps", "tag_steps"]

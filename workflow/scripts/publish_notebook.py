@@ -1,0 +1,54 @@
+"""Publish an executed analysis notebook (rule ``publish_notebook``).
+
+Snakemake's notebook directive executes a copy of the frozen notebook with a first cell (the "preamble")
+that unpickles the job object and extends ``sys.path`` with this machine's absolute paths. The published
+copy replaces that cell by a short one that names the rule's inputs and outputs relative to the working
+directory (so the notebook still reads as what it ran on, and re-runs from there), and drops the cells'
+execution timestamps. A published notebook that still holds an absolute path of this machine is refused.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+PREAMBLE_MARK = "snakemake preamble start"
+
+
+def _namespace(name: str, value) -> str:
+    if isinstance(value, dict):
+        fields = ", ".join(f"{k}={_namespace(k, v)}" for k, v in value.items())
+        return f"SimpleNamespace({fields})"
+    return repr(value)
+
+
+def publish(raw: Path, target: Path, inputs: dict, outputs: list, rule: str) -> None:
+    notebook = json.loads(raw.read_text())
+    replaced = 0
+    for cell in notebook["cells"]:
+        cell.get("metadata", {}).pop("execution", None)
+        source = "".join(cell.get("source", []))
+        if cell["cell_type"] == "code" and PREAMBLE_MARK in source:
+            cell["source"] = [
+                f"# Executed by the rule `{rule}`. Snakemake's preamble (it embeds this machine's paths) is replaced\n",
+                "# by the rule's inputs and outputs, relative to the working directory of the run.\n",
+                "from types import SimpleNamespace\n",
+                "\n",
+                f"snakemake = SimpleNamespace(input={_namespace('input', inputs)}, output={list(outputs)!r})",
+            ]
+            cell["outputs"], cell["execution_count"] = [], None
+            replaced += 1
+    if replaced != 1:
+        raise SystemExit(f"{raw}: expected one Snakemake preamble cell, found {replaced}")
+    text = json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
+    leaks = sorted({p for p in (str(Path.cwd().resolve()), os.path.expanduser("~"), sys.prefix) if p and p in text})
+    if leaks:
+        raise SystemExit(f"{raw}: the published notebook would still contain the absolute path(s) {leaks}")
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, target)
+
+
+if __name__ == "__main__":  # run by Snakemake's script directive
+    sm = snakemake  # noqa: F821
+    publish(Path(sm.params.notebook), Path(sm.output[0]), dict(sm.params.inputs), list(sm.params.outputs), sm.params.rule)
