@@ -2,8 +2,9 @@
 #   snakemake --cores N                                   (default scale, local)
 #   snakemake --cores 2 --config scale=smoke              (all seven claims in minutes)
 #   snakemake --workflow-profile workflow/profiles/slurm  (SLURM cluster)
-# Stages: fetch model -> cells -> claims -> tables -> notebooks. Every figure and table comes from
-# exactly one rule; the rules run console scripts of the kvcert package and hold no attention math.
+# Stages: fetch model -> cells -> claims (per study and pre-registration version) -> tables -> notebooks.
+# Every figure and table comes from exactly one rule; the rules run console scripts of the kvcert package
+# and hold no attention math.
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"

@@ -1,43 +1,47 @@
-# Stage 3: the seven pre-registered claims. Each claim job verifies the pre-registration lock first
-# (kvcert-claim refuses on any edit), reads every cell of the scale and filters its own population.
+# Stage 3: the seven pre-registered claims, per study. Each claim job verifies the locks of its
+# pre-registration version first (kvcert-claim refuses on any edit), reads every cell of the study and
+# filters its own population with that version's frozen analysis code.
 
-# Every file a lock freezes (pre-registration files and the frozen analysis code): an edit reruns the
-# verification, which then fails (kvcert-prereg refuses a changed file).
 from kvcert.analysis.prereg import frozen_files
 
-FROZEN_INPUTS = [f"{REPO}/{rel}" for rel in frozen_files(REPO)]
-CLAIM_JSON = expand(f"{OUT}/claims/{{claim}}.json", claim=CLAIMS)
-CLAIM_FIGURES = expand(f"{FIG}/{{claim}}.{{ext}}", claim=CLAIMS, ext=["png", "pdf"])
+CLAIM_JSON = [f"{OUT}/{study}/claims/{claim}.json" for study in STUDIES for claim in CLAIMS]
+CLAIM_FIGURES = [f"{FIG}/{study}/{claim}.{ext}" for study in COMPUTED for claim in CLAIMS for ext in ("png", "pdf")]
 
 
 rule verify_preregistration:
     input:
-        FROZEN_INPUTS,
+        # every file the locks up to this version freeze: an edit reruns the verification, which then fails
+        lambda wc: [f"{REPO}/{rel}" for rel in frozen_files(REPO, int(wc.version))],
     output:
-        f"{OUT}/logs/preregistration.verified",
+        f"{OUT}/logs/preregistration-v{{version}}.verified",
     params:
         analysis=ANALYSIS_FINGERPRINT,
     shell:
-        "kvcert-prereg --root {REPO} verify > {output}.tmp && mv {output}.tmp {output}"
+        "kvcert-prereg --root {REPO} verify --version {wildcards.version} > {output}.tmp && mv {output}.tmp {output}"
 
 
 rule claim:
     input:
-        verified=f"{OUT}/logs/preregistration.verified",
-        item_tables=CELL_ITEMS,
-        step_tables=CELL_STEPS,
+        verified=lambda wc: f"{OUT}/logs/preregistration-v{STUDIES[wc.study]['prereg']}.verified",
+        item_tables=lambda wc: [f"{d}/items.parquet" for d in cell_dirs(wc.study)],
+        step_tables=lambda wc: [f"{d}/steps.parquet" for d in cell_dirs(wc.study)],
     output:
-        json=f"{OUT}/claims/{{claim}}.json",
-        png=report(f"{FIG}/{{claim}}.png", category="Claims", caption="../report/claim.rst"),
-        pdf=f"{FIG}/{{claim}}.pdf",
+        json=f"{OUT}/{{study}}/claims/{{claim}}.json",
+        png=report(f"{FIG}/{{study}}/{{claim}}.png", category="Claims", subcategory="{study}",
+                   caption="../report/claim.rst"),
+        pdf=f"{FIG}/{{study}}/{{claim}}.pdf",
     log:
-        f"{OUT}/logs/claims/{{claim}}.log",
+        f"{OUT}/logs/claims/{{study}}-{{claim}}.log",
+    wildcard_constraints:
+        study="|".join(COMPUTED) or "no-study",
     params:
         analysis=ANALYSIS_FINGERPRINT,  # reruns the claim when the analysis code or pre-registration changes
-        cells=",".join(CELL_DIRS),
+        cells=lambda wc: ",".join(cell_dirs(wc.study)),
+        version=lambda wc: STUDIES[wc.study]["prereg"],
+        figure_dir=lambda wc: f"{FIG}/{wc.study}",
     resources:
         mem_mb=resource("claim", "mem_mb", 4000),
         runtime=resource("claim", "runtime", 20),
     shell:
-        "kvcert-claim claim={wildcards.claim} 'cells=[{params.cells}]' out={output.json} "
-        "figure_dir={FIG} scale={SCALE_NAME} prereg_root={REPO} > {log} 2>&1"
+        "kvcert-claim claim={wildcards.claim} 'cells=[{params.cells}]' out={output.json} prereg_version={params.version} "
+        "figure_dir={params.figure_dir} scale={PREREG_SCALE} prereg_root={REPO} > {log} 2>&1"

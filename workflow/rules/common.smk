@@ -1,4 +1,10 @@
-# The scale (--config scale=smoke|default|paper) decides cells, shards, resources and output folders.
+# The scale (--config scale=smoke|default|paper|v1) decides studies, cells, shards, resources and output folders.
+#
+# A study is one pre-registration version applied to its cells: <outdir>/<study>/cells/<cell>/shard-<k>/,
+# <outdir>/<study>/claims/<claim>.json, <figure_dir>/<study>/<claim>.png. A scale lists its studies under
+# `studies:` (each with `prereg:` and `cells:`, `cells_from: <study>` to analyse another study's cells, or
+# `archived: true` for a study whose committed claim results and accuracy table are read as they are), or
+# is one study (top-level `cells:` or `matrix:`, version `prereg:`). The tables pool every study.
 import difflib
 import shlex
 import subprocess
@@ -30,10 +36,6 @@ _scale_file = REPO / "workflow" / "scales" / f"{SCALE_NAME}.yaml"
 if not _scale_file.is_file():
     _known = sorted(p.stem for p in _scale_file.parent.glob("*.yaml"))
     fail(f"--config scale={SCALE_NAME}: unknown scale; known: {', '.join(_known)}")
-# No result may exist before the pre-registration is frozen (kvcert-prereg verify checks its hashes).
-if not (REPO / "preregistration" / "prereg.lock").is_file():
-    fail(f"{REPO / 'preregistration' / 'prereg.lock'} is missing: freeze the pre-registration first "
-         "(make lock, i.e. kvcert-prereg lock) before running the pipeline")
 S = yaml.safe_load(_scale_file.read_text())
 
 # Code fingerprints (kvcert.provenance): a job reruns when the code that decides its numbers changes
@@ -68,11 +70,58 @@ def _expand_matrix(scale):
     return cells
 
 
-CELLS = _expand_matrix(S)
-SHARDS = [(cell, shard) for cell, spec in CELLS.items() for shard in range(spec["shards"])]
-CELL_DIRS = [f"{OUT}/cells/{cell}/shard-{shard}" for cell, shard in SHARDS]
+def _studies(scale):
+    """{study: {"prereg": version, "cells": {cell: spec}, "source": study whose cells it reads, "archived"}}."""
+    if "studies" not in scale:
+        version = int(scale.get("prereg", 1))
+        return {f"v{version}": {"prereg": version, "cells": _expand_matrix(scale), "source": f"v{version}",
+                                "archived": False}}
+    out = {}
+    for name, spec in scale["studies"].items():
+        source = spec.get("cells_from", name)
+        if source not in scale["studies"]:
+            fail(f"{_scale_file.name}: study {name}: cells_from={source} is not a study of this scale")
+        out[name] = {"prereg": int(spec["prereg"]), "cells": _expand_matrix(scale["studies"][source]),
+                     "source": source, "archived": bool(spec.get("archived", False))}
+    return out
+
+
+STUDIES = _studies(S)
+PREREG_SCALE = str(S.get("prereg_scale", SCALE_NAME))  # the pre-registered scale whose populations it runs
+COMPUTED = [name for name, st in STUDIES.items() if not st["archived"]]
+ARCHIVED = [name for name, st in STUDIES.items() if st["archived"]]
+# Cells are run once per study that owns them (not for a study that reads another's).
+CELL_STUDIES = sorted({STUDIES[name]["source"] for name in COMPUTED})
+SHARDS = [(study, cell, shard) for study in CELL_STUDIES for cell, spec in STUDIES[study]["cells"].items()
+          for shard in range(spec["shards"])]
+CELLS = {(study, cell): spec for study in CELL_STUDIES for cell, spec in STUDIES[study]["cells"].items()}
+
+
+def cell_dirs(study):
+    """The cell directories a study's claims read."""
+    source = STUDIES[study]["source"]
+    return [f"{OUT}/{source}/cells/{cell}/shard-{shard}" for st, cell, shard in SHARDS if st == source]
+
+
+CELL_DIRS = [f"{OUT}/{study}/cells/{cell}/shard-{shard}" for study, cell, shard in SHARDS]
 CELL_ITEMS = [f"{d}/items.parquet" for d in CELL_DIRS]
 CELL_STEPS = [f"{d}/steps.parquet" for d in CELL_DIRS]
+# No result may exist before the pre-registration is frozen (kvcert-prereg verify checks its hashes).
+from kvcert.analysis.prereg import VERSIONS
+
+for _version in sorted({st["prereg"] for st in STUDIES.values()}):
+    if _version not in VERSIONS:
+        fail(f"{_scale_file.name}: prereg={_version} is unknown; known: {', '.join(map(str, sorted(VERSIONS)))}")
+    for _n in range(1, _version + 1):
+        if not (REPO / VERSIONS[_n].lock).is_file():
+            _how = "make lock, i.e. kvcert-prereg lock" if _n == 1 else f"kvcert-prereg lock --amendment {_n}"
+            fail(f"{REPO / VERSIONS[_n].lock} is missing: freeze the pre-registration first ({_how}) before "
+                 "running the pipeline")
+for _study in ARCHIVED:
+    for _name in [*(f"claims/{c}.json" for c in CLAIMS), "accuracy.csv"]:
+        if not Path(f"{OUT}/{_study}/{_name}").is_file():
+            fail(f"{OUT}/{_study}/{_name} is missing: study {_study} is archived in scale {SCALE_NAME}; "
+                 f"regenerate it with its own scale (e.g. make reproduce-{_study})")
 
 
 def resource(rule_name, key, default):

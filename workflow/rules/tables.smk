@@ -1,19 +1,39 @@
-# Stage 4: paper tables: the claims table (csv, markdown, LaTeX) and the reproduction table.
+# Stage 4: paper tables over every study of the scale: the claims table (csv, markdown, LaTeX; one row per
+# study and claim, with its pre-registration version), the reproduction table and accuracy per task.
 
-TABLES = [f"{OUT}/{name}" for name in ("claims.csv", "claims.md", "claims.tex", "reproduction.csv")]
+TABLES = [f"{OUT}/{name}" for name in ("claims.csv", "claims.md", "claims.tex", "reproduction.csv", "accuracy.csv")]
+STUDY_ACCURACY = [f"{OUT}/{study}/accuracy.csv" for study in STUDIES]
+
+
+rule accuracy:
+    input:
+        item_tables=lambda wc: [f"{d}/items.parquet" for d in cell_dirs(wc.study)],
+    output:
+        f"{OUT}/{{study}}/accuracy.csv",
+    log:
+        f"{OUT}/logs/accuracy-{{study}}.log",
+    wildcard_constraints:
+        study="|".join(COMPUTED) or "no-study",
+    params:
+        analysis=ANALYSIS_FINGERPRINT,
+        cells=lambda wc: cell_dirs(wc.study),
+    shell:
+        "python -m kvcert.analysis.accuracy {params.cells} --out {output} > {log} 2>&1"
 
 
 rule aggregate:
     input:
-        CLAIM_JSON,
+        claims=CLAIM_JSON,
+        accuracy=STUDY_ACCURACY,
     output:
         csv=report(f"{OUT}/claims.csv", category="Tables", caption="../report/claims_table.rst"),
         md=f"{OUT}/claims.md",
         tex=f"{OUT}/claims.tex",
         reproduction=report(f"{OUT}/reproduction.csv", category="Tables", caption="../report/reproduction.rst"),
+        accuracy=f"{OUT}/accuracy.csv",
     log:
         f"{OUT}/logs/aggregate.log",
     params:
         analysis=ANALYSIS_FINGERPRINT,
     shell:
-        "python -m kvcert.analysis.aggregate {input} --out-dir {OUT} > {log} 2>&1"
+        "python -m kvcert.analysis.aggregate {input.claims} --accuracy {input.accuracy} --out-dir {OUT} > {log} 2>&1"

@@ -1,10 +1,12 @@
-"""Collect claim results (``results/claims/*.json``) into the paper tables.
+"""Collect claim results (``<outdir>/<study>/claims/*.json``) into the paper tables.
 
 Writes, into ``--out-dir``:
-- ``claims.csv`` / ``claims.md`` / ``claims.tex``: one row per claim (estimate, 95% CI, threshold,
-  verdict, the paper's verdict, agreement);
-- ``reproduction.csv``: the paper's headline numbers beside ours (``REPRODUCTION``).
-All files are written to a temporary name and renamed, so a failed run leaves none half-written.
+- ``claims.csv`` / ``claims.md`` / ``claims.tex``: one row per study and claim (the pre-registration
+  version the verdict comes from, estimate, 95% CI, threshold, verdict, the paper's verdict, agreement);
+- ``reproduction.csv``: the paper's headline numbers beside ours, per study (``REPRODUCTION``);
+- ``accuracy.csv``: the studies' accuracy tables (``--accuracy``), one after the other.
+A study is named by the folder above a result's ``claims/`` folder. All files are written to a temporary
+name and renamed, so a failed run leaves none half-written.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import pandas as pd
 from kvcert.analysis.errors import AnalysisError
 from kvcert.atomic import write_text_atomic
 
-CLAIM_COLUMNS = ["claim", "title", "component", "estimate", "ci_low", "ci_high", "threshold",
+CLAIM_COLUMNS = ["study", "prereg", "claim", "title", "component", "estimate", "ci_low", "ci_high", "threshold",
                  "verdict", "paper_verdict", "agrees", "n"]
-REPRO_COLUMNS = ["quantity", "paper", "ours", "ci_low", "ci_high", "note"]
+REPRO_COLUMNS = ["study", "quantity", "paper", "ours", "ci_low", "ci_high", "note"]
 
 
 @dataclass(frozen=True)
@@ -65,14 +67,20 @@ REPRODUCTION = (
 )
 
 
-def load_results(paths: list[Path]) -> dict[str, dict]:
-    out = {}
+def study_of(path: Path) -> str:
+    """The study a claim result belongs to: the folder above its ``claims/`` folder."""
+    return path.parent.parent.name if path.parent.name == "claims" else path.parent.name
+
+
+def load_results(paths: list[Path]) -> dict[str, dict[str, dict]]:
+    """{study: {claim: result}}."""
+    out: dict[str, dict[str, dict]] = {}
     for p in paths:
         if not p.is_file():
             raise AnalysisError(f"{p}: missing claim result")
         try:
             res = json.loads(p.read_text())
-            out[str(res["claim"])] = res
+            out.setdefault(study_of(p), {})[str(res["claim"])] = res
         except (ValueError, KeyError, TypeError) as exc:
             raise AnalysisError(f"{p}: not a claim result ({type(exc).__name__}: {exc})") from None
     return out
@@ -86,16 +94,23 @@ def _agrees(x) -> str:
     return "n/a" if x is None else ("yes" if x else "no")
 
 
-def claims_table(results: dict[str, dict]) -> pd.DataFrame:
+def claims_table(studies: dict[str, dict[str, dict]]) -> pd.DataFrame:
     rows = []
-    for cid in sorted(results):
-        r = results[cid]
-        rows.append({**{c: r.get(c) for c in CLAIM_COLUMNS}, "agrees": _agrees(r.get("agrees")),
-                     **{c: _num(r.get(c)) for c in ("estimate", "ci_low", "ci_high", "threshold")}})
+    for study in sorted(studies):
+        for cid in sorted(studies[study]):
+            r = studies[study][cid]
+            rows.append({**{c: r.get(c) for c in CLAIM_COLUMNS}, "agrees": _agrees(r.get("agrees")),
+                         "study": study, "prereg": int(r.get("details", {}).get("prereg_version", 1)),
+                         **{c: _num(r.get(c)) for c in ("estimate", "ci_low", "ci_high", "threshold")}})
     return pd.DataFrame(rows, columns=CLAIM_COLUMNS)
 
 
-def reproduction_table(results: dict[str, dict]) -> pd.DataFrame:
+def reproduction_table(studies: dict[str, dict[str, dict]]) -> pd.DataFrame:
+    return pd.DataFrame([row for study in sorted(studies) for row in _reproduction_rows(study, studies[study])],
+                        columns=REPRO_COLUMNS)
+
+
+def _reproduction_rows(study: str, results: dict[str, dict]) -> list[dict]:
     rows = []
     for t in REPRODUCTION:
         leaf = results.get(t.claim)
@@ -107,9 +122,9 @@ def reproduction_table(results: dict[str, dict]) -> pd.DataFrame:
             note = f"not available ({t.claim} result missing or lacks it)"
         elif leaf.get("note"):
             note = leaf["note"]
-        rows.append({"quantity": t.quantity, "paper": t.paper, "ours": _num(leaf.get("estimate")),
+        rows.append({"study": study, "quantity": t.quantity, "paper": t.paper, "ours": _num(leaf.get("estimate")),
                      "ci_low": _num(leaf.get("ci_low")), "ci_high": _num(leaf.get("ci_high")), "note": note})
-    return pd.DataFrame(rows, columns=REPRO_COLUMNS)
+    return rows
 
 
 def _f(x) -> str:
@@ -117,7 +132,8 @@ def _f(x) -> str:
 
 
 def to_markdown(df: pd.DataFrame) -> str:
-    cols = ["claim", "title", "estimate", "ci_low", "ci_high", "threshold", "verdict", "paper_verdict", "agrees", "n"]
+    cols = ["study", "prereg", "claim", "title", "estimate", "ci_low", "ci_high", "threshold", "verdict",
+            "paper_verdict", "agrees", "n"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for _, r in df.iterrows():
         cells = [_f(r[c]) if c in ("estimate", "ci_low", "ci_high", "threshold") else str(r[c]) for c in cols]
@@ -132,20 +148,34 @@ def _tex_escape(s: str) -> str:
 
 
 def to_latex(df: pd.DataFrame) -> str:
-    lines = [r"\begin{tabular}{llrrrll}", r"\toprule",
-             r"Claim & Title & Estimate & 95\% CI & Threshold & Verdict (paper) & Agrees \\", r"\midrule"]
+    lines = [r"\begin{tabular}{lllrrrll}", r"\toprule",
+             r"Study & Claim & Title & Estimate & 95\% CI & Threshold & Verdict (paper) & Agrees \\", r"\midrule"]
     for _, r in df.iterrows():
         ci = f"[{_f(r['ci_low'])}, {_f(r['ci_high'])}]"
         lines.append(" & ".join([
-            r["claim"].upper(), _tex_escape(str(r["title"])), _f(r["estimate"]), ci, _f(r["threshold"]),
+            _tex_escape(f"{r['study']} (v{r['prereg']})"), r["claim"].upper(), _tex_escape(str(r["title"])),
+            _f(r["estimate"]), ci, _f(r["threshold"]),
             _tex_escape(f"{r['verdict']} ({r['paper_verdict']})"), str(r["agrees"]),
         ]) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines) + "\n"
 
 
-def aggregate(paths: list[Path], out_dir: Path) -> list[Path]:
-    """Write the four tables; returns their paths."""
+def accuracy_tables(paths: list[Path]) -> pd.DataFrame:
+    """The studies' accuracy tables, with a leading study column (the folder holding each table)."""
+    frames = []
+    for p in paths:
+        if not p.is_file():
+            raise AnalysisError(f"{p}: missing accuracy table")
+        frames.append(pd.read_csv(p).assign(study=p.parent.name))
+    if not frames:
+        return pd.DataFrame(columns=["study"])
+    table = pd.concat(frames, ignore_index=True)
+    return table[["study", *[c for c in table.columns if c != "study"]]]
+
+
+def aggregate(paths: list[Path], out_dir: Path, accuracy: list[Path] | None = None) -> list[Path]:
+    """Write the tables; returns their paths."""
     results = load_results(paths)
     if not results:
         raise AnalysisError("no claim results given")
@@ -157,6 +187,8 @@ def aggregate(paths: list[Path], out_dir: Path) -> list[Path]:
         "claims.tex": to_latex(table),
         "reproduction.csv": reproduction_table(results).to_csv(index=False),
     }
+    if accuracy is not None:
+        outputs["accuracy.csv"] = accuracy_tables(accuracy).to_csv(index=False)
     for name, text in outputs.items():
         write_text_atomic(text, out_dir / name)
     return [out_dir / n for n in outputs]
@@ -167,12 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", nargs="*", type=Path, help="claim JSON files (default: all in --claims-dir)")
     parser.add_argument("--claims-dir", type=Path, default=Path("results/claims"))
     parser.add_argument("--out-dir", type=Path, default=Path("results/tables"))
+    parser.add_argument("--accuracy", type=Path, nargs="*", default=None, help="per-study accuracy.csv tables")
     args = parser.parse_args(argv)
     try:
         paths = args.results or sorted(args.claims_dir.glob("*.json"))
         if not paths:
             raise AnalysisError(f"{args.claims_dir}: no claim results (*.json)")
-        for p in aggregate(paths, args.out_dir):
+        for p in aggregate(paths, args.out_dir, args.accuracy):
             print(f"wrote {p}")
     except AnalysisError as exc:
         print(f"kvcert-aggregate: error: {exc}", file=sys.stderr)

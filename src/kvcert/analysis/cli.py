@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvcert.analysis import claims, data, figures
+from kvcert.analysis import claims, data, figures, prereg
 from kvcert.analysis.errors import AnalysisError
 from kvcert.analysis.prereg import claim_spec, load_claims, verify_lock
 from kvcert.atomic import unwritable_reason, write_json_atomic
@@ -26,7 +26,17 @@ from kvcert.provenance import analysis_fingerprint, short
 EXIT_BAD_INPUT = 2
 # Values of claim.yaml that a caller of run() may leave out.
 DEFAULTS = {"cells": [], "figure_dir": "paper_figures", "figures": True, "prereg_root": ".", "scale": "default",
-            "n_boot": None, "seed": None, "allow_mixed_code": False}
+            "n_boot": None, "seed": None, "allow_mixed_code": False, "prereg_version": 1}
+
+
+def _analysis(number: int):
+    """(registry, run_claim) of pre-registration version ``number``: version 1's frozen claims module, or the
+    amendment's module (imported only when asked for: it needs scikit-learn)."""
+    if number == 1:
+        return claims.REGISTRY, claims.run_claim
+    from kvcert.analysis import amendment2
+
+    return amendment2.REGISTRY, amendment2.run_claim
 
 
 def cell_fingerprints(dirs: list[Path]) -> dict[str, str | None]:
@@ -71,16 +81,19 @@ def run(cfg: dict) -> claims.ClaimResult:
     cfg = {**DEFAULTS, **cfg}
     _check_config(cfg)
     root = Path(cfg.get("prereg_root") or ".")
-    verify_lock(root)
+    number = int(cfg["prereg_version"])
+    prereg.version(number)
+    verify_lock(root, number)
+    registry, run_claim = _analysis(number)
     claim_id = str(cfg["claim"])
-    if claim_id not in claims.REGISTRY:
-        raise AnalysisError(f"claim={claim_id} is not one of {', '.join(sorted(claims.REGISTRY))}")
+    if claim_id not in registry:
+        raise AnalysisError(f"claim={claim_id} is not one of {', '.join(sorted(registry))}")
     doc = load_claims(root)
     scales = sorted(doc.get("scales") or {})
     if scales and cfg["scale"] not in scales:
         raise AnalysisError(f"scale={cfg['scale']}: unknown; known: {', '.join(scales)}")
     spec = claim_spec(doc, claim_id)
-    needed = claims.REGISTRY[claim_id].tables
+    needed = registry[claim_id].tables
     dirs = _check_inputs(list(cfg.get("cells") or []), needed)
     fingerprints = cell_fingerprints(dirs)
     _check_one_code(fingerprints, bool(cfg["allow_mixed_code"]))
@@ -90,7 +103,8 @@ def run(cfg: dict) -> claims.ClaimResult:
     tables = claims.Tables(**{t: data.load_cells(dirs, t) for t in needed})
     opts = claims.options_for(spec, doc["conventions"], scale=str(cfg.get("scale", "default")),
                               n_boot=cfg.get("n_boot"), seed=cfg.get("seed"))
-    result = claims.run_claim(claim_id, tables, spec, doc["conventions"], opts)
+    result = run_claim(claim_id, tables, spec, doc["conventions"], opts)
+    result.details["prereg_version"] = number
     result.details["inputs"] = [str(d) for d in dirs]
     result.details["provenance"] = {"cell_code_fingerprints": fingerprints,
                                     "analysis_fingerprint": analysis_fingerprint(root),
@@ -109,7 +123,7 @@ def _check_config(cfg: dict) -> None:
     cells = cfg.get("cells")
     if not isinstance(cells, list):
         raise AnalysisError(f"cells={cells!r}: expected a list of cell directories, e.g. 'cells=[results/cells/a]'")
-    for key in ("n_boot", "seed"):
+    for key in ("n_boot", "seed", "prereg_version"):
         value = cfg.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise AnalysisError(f"{key}={value!r}: expected an integer or null")

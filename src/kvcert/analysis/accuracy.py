@@ -1,0 +1,53 @@
+"""Accuracy per model, task, setting and configuration of a study's cells (``<outdir>/<study>/accuracy.csv``).
+
+    python -m kvcert.analysis.accuracy results/v2/cells/qa/shard-0 ... --out results/v2/accuracy.csv
+
+Accuracy is in points (0-100): per item, the mean correctness over Poisson seeds; then the mean over items,
+as the pre-registration's convention for accuracy (claims.yaml ``seed_aggregation``). ``n`` is the number of
+items. Descriptive (no test, no verdict): it is what the version-2 population rule is checked against
+(full-cache accuracy per task).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from kvcert.analysis import data
+from kvcert.analysis.errors import AnalysisError
+from kvcert.atomic import write_text_atomic
+
+COLUMNS = ["model", "task", "setting", "policy", "design", "budget", "accuracy", "n"]
+
+
+def accuracy_table(items: pd.DataFrame) -> pd.DataFrame:
+    """One row per (model, task, setting, policy, design, budget) of an items table."""
+    keys = [c for c in ("model", "task") if c in items.columns] + ["setting", "policy", "design", "budget"]
+    rows = []
+    for values, group in items.groupby(keys, sort=True):
+        per_item = group.groupby(data.unit_columns(group))["correct"].apply(lambda s: s.astype(float).mean())
+        rows.append({**dict(zip(keys, values)), "accuracy": round(100 * float(per_item.mean()), 4),
+                     "n": int(len(per_item))})
+    return pd.DataFrame(rows).reindex(columns=COLUMNS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcert.analysis.accuracy", description=__doc__.splitlines()[0])
+    parser.add_argument("cells", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        table = accuracy_table(data.load_cells(args.cells, "items"))
+        write_text_atomic(table.to_csv(index=False), args.out)
+    except AnalysisError as exc:
+        print(f"kvcert accuracy: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
