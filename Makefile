@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install model test test-fast smoke reproduce lock verify dryrun report test-slurm slurm-up slurm-down clean-smoke
+.PHONY: install model test test-fast smoke reproduce reproduce-v1 verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,14 +37,31 @@ test-fast: install
 smoke: install
 	$(SNAKEMAKE) --cores $(CORES) --config scale=smoke --rerun-incomplete
 
-## The default scale: what the committed results come from.
+## The default scale: what the committed results come from (version 2's study, computed; version 1's, read
+## from its committed results). At most 90 minutes on 2 cores.
 reproduce: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete
+
+## Version 1's record: its default population under its own pre-registration (about 30 minutes on 2 cores).
+reproduce-v1: install
+	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v1
+
+## Recompute every committed study into results/verify and compare its tables with the committed ones byte
+## for byte (a changed number is a reviewed diff, never a surprise).
+VERIFY_OUT ?= results/verify
+verify-results: install
+	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v1 outdir=$(VERIFY_OUT)
+	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config outdir=$(VERIFY_OUT)
+	@status=0; for table in claims.csv reproduction.csv accuracy.csv; do \
+	  if cmp -s results/$$table $(VERIFY_OUT)/$$table; then echo "verify-results: $$table identical"; \
+	  else echo "verify-results: $$table DIFFERS:"; diff results/$$table $(VERIFY_OUT)/$$table; status=1; fi; \
+	done; exit $$status
 
 dryrun: install
 	$(SNAKEMAKE) -n --quiet rules --config scale=smoke
 	$(SNAKEMAKE) -n --quiet rules
 	$(SNAKEMAKE) -n --quiet rules --config scale=paper
+	$(SNAKEMAKE) -n --quiet rules --config scale=v1
 
 report: install
 	$(SNAKEMAKE) --report report.html
@@ -52,6 +69,8 @@ report: install
 ## Freeze the pre-registration (run once, before any result exists) and check it.
 lock: install
 	$(BIN)/kvcert-prereg lock
+lock-amendment: install
+	$(BIN)/kvcert-prereg lock --amendment 2
 verify: install
 	$(BIN)/kvcert-prereg verify
 
