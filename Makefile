@@ -29,7 +29,7 @@ model: install
 test: install model
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm"
 
-## Unit tests only (no SmolLM2, no DAG).
+## Unit tests only (no SmolLM2, no DAG, nothing downloaded: the tests train their own tokenizers).
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slurm and not smollm2 and not slow"
 

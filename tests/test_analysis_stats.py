@@ -1,32 +1,31 @@
 """Tests of our own statistics code (kvcert.analysis.stats / verdicts / replay) on numbers we generate.
 
-Each weighted statistic is checked against the textbook definition on the expanded sample, so the
-bootstrap (which passes item multiplicities as weights) computes exactly what it claims to.
+Each weighted statistic is checked against a standard implementation (scikit-learn's ROC AUC and ROC curve,
+SciPy's Spearman) on the expanded sample, so the bootstrap (which passes item multiplicities as weights)
+computes exactly what it claims to.
 """
 
 import numpy as np
 import pytest
 from scipy import stats as sps
+from sklearn.metrics import roc_auc_score, roc_curve
 
 from kvcert.analysis import replay, stats, verdicts
 from kvcert.analysis.stats import Interval
 
 
-def brute_auc(scores, labels):
-    pos, neg = scores[labels], scores[~labels]
-    wins = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
-    return wins / (len(pos) * len(neg))
-
-
-def test_auc_matches_brute_force_pair_count_with_ties():
+def test_auc_matches_scikit_learn_with_ties():
     rng = np.random.default_rng(1)
+    checked = 0
     for _ in range(20):
         n = rng.integers(5, 60)
         scores = rng.integers(0, 6, n).astype(float)  # many ties
         labels = rng.random(n) < 0.4
         if labels.all() or (~labels).all():
             continue
-        assert stats.auc(scores, labels) == pytest.approx(brute_auc(scores, labels))
+        assert stats.auc(scores, labels) == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
+        checked += 1
+    assert checked >= 15
 
 
 def test_weighted_auc_equals_auc_of_expanded_sample():
@@ -37,7 +36,18 @@ def test_weighted_auc_equals_auc_of_expanded_sample():
     got = stats.auc(scores, labels, W)
     for b in range(5):
         rep = np.repeat(np.arange(40), W[b].astype(int))
-        assert got[b] == pytest.approx(brute_auc(scores[rep], labels[rep]))
+        assert got[b] == pytest.approx(roc_auc_score(labels[rep], scores[rep]), abs=1e-12)
+        assert got[b] == pytest.approx(roc_auc_score(labels, scores, sample_weight=W[b]), abs=1e-12)
+
+
+def test_roc_curve_points_equal_scikit_learn():
+    rng = np.random.default_rng(8)
+    scores = rng.integers(0, 8, 70).astype(float)
+    labels = rng.random(70) < 0.3
+    fpr, tpr = stats.roc_curve(scores, labels)
+    ref_fpr, ref_tpr, _ = roc_curve(labels, scores, drop_intermediate=False)
+    np.testing.assert_allclose(fpr, ref_fpr, atol=1e-12)
+    np.testing.assert_allclose(tpr, ref_tpr, atol=1e-12)
 
 
 def test_auc_undefined_when_a_class_is_empty():
@@ -81,15 +91,37 @@ def test_random_gate_equals_analytic_expectation():
     assert rep.accuracy("random", q)[0] == pytest.approx(100 * (low.mean() + q * (better - low).mean()))
 
 
+# Bootstrap coverage: S simulated data sets, each with its own percentile interval of the mean. The window is
+# derived from S, midway between 0.95 and the alternatives it must reject: 0.90 (an interval too narrow) and
+# 0.99 (too wide). The percentile bootstrap of a mean under-covers by O(1/n) (about 0.94 at n = 100), so the
+# null hypothesis is a true coverage in [0.94, 0.95].
+COVERAGE_SIMULATIONS = 2000
+COVERAGE_WINDOW = (0.925, 0.97)
+
+
+def test_bootstrap_coverage_window_tells_95_from_90_and_99():
+    """The window's error rates, from the binomial law of S draws: a false alarm (a correct bootstrap
+    outside the window) at most 0.5%, and a miss (a 90% or 99% interval inside it) at most 0.1%."""
+    lo, hi = (round(COVERAGE_SIMULATIONS * w) for w in COVERAGE_WINDOW)
+
+    def inside(p):
+        return sps.binom.cdf(hi, COVERAGE_SIMULATIONS, p) - sps.binom.cdf(lo - 1, COVERAGE_SIMULATIONS, p)
+
+    assert 1 - inside(0.95) <= 1e-3 and 1 - inside(0.94) <= 5e-3
+    assert inside(0.90) <= 1e-3 and inside(0.99) <= 1e-3
+
+
 def test_bootstrap_ci_covers_the_truth_in_a_seeded_simulation():
-    """Percentile CI of a mean: about 95% of 200 simulated data sets must cover the true mean."""
+    """Percentile CI of a mean (n = 100, 400 replicates): its coverage over COVERAGE_SIMULATIONS data sets
+    lies in COVERAGE_WINDOW (error rates in the test above)."""
     rng = np.random.default_rng(6)
     hits = 0
-    for k in range(200):
-        x = rng.exponential(1.0, size=80)  # skewed on purpose; true mean 1
-        iv = stats.cluster_bootstrap(lambda W: stats.weighted_mean(x, W), 80, n_boot=400, seed=k)[0]
+    for k in range(COVERAGE_SIMULATIONS):
+        x = rng.normal(1.0, 1.0, size=100)
+        iv = stats.cluster_bootstrap(lambda W: stats.weighted_mean(x, W), 100, n_boot=400, seed=k)[0]
         hits += iv.low <= 1.0 <= iv.high
-    assert 0.88 <= hits / 200 <= 0.99
+    coverage = hits / COVERAGE_SIMULATIONS
+    assert COVERAGE_WINDOW[0] <= coverage <= COVERAGE_WINDOW[1], coverage
 
 
 def test_bootstrap_is_seeded_and_paired():

@@ -3,7 +3,8 @@
 At budget 1.0 the ``topk`` design keeps every slot and the ``poisson`` design has π = 1 everywhere, so the
 kvcert attention path must reproduce the stock ``sdpa`` attention with a standard ``DynamicCache``: same
 logits (≤ 1e-5) over a prefill and several greedy decode steps, in both settings, for Llama, Mistral and
-Qwen2 (sliding window), Gemma3 (sliding / full layers) and a single-KV-head (MQA) Llama.
+Qwen2 (sliding window), Gemma3 (sliding / full layers), a single-KV-head (MQA) Llama, Phi-3 (fused qkv) and
+StableLM (partial rotary, q/k/v biases); the models are ``tests/helpers/tiny_models.py``'s.
 """
 
 from __future__ import annotations
@@ -14,80 +15,20 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from transformers import (
-    DynamicCache,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from helpers.tiny_models import ARCHS
+from helpers.tiny_models import build as _build
+from helpers.tiny_models import prompt as _prompt
+from transformers import DynamicCache
 
 import kvcert
 from kvcert.attention import CACHE_KWARG
 from kvcert.generation import decode_batch
 from kvcert.sampling import retained_count
 
-VOCAB = 300
-WINDOW = 8  # sliding window, shorter than every prompt below
 CONTEXT = 40
 QUESTION = 6
 STEPS = 4
 ATOL = 1e-5
-
-_COMMON = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=VOCAB,
-    max_position_embeddings=1024,
-)
-
-
-def _config(arch: str):
-    """(config, model class, whether some layer uses a sliding window)."""
-    if arch == "llama":
-        return LlamaConfig(**_COMMON), LlamaForCausalLM, False
-    if arch == "llama_mqa":
-        return LlamaConfig(**{**_COMMON, "num_key_value_heads": 1}), LlamaForCausalLM, False
-    if arch == "mistral":
-        return MistralConfig(**_COMMON, sliding_window=WINDOW), MistralForCausalLM, True
-    if arch == "qwen2":
-        cfg = Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
-        assert "sliding_attention" in cfg.layer_types
-        return cfg, Qwen2ForCausalLM, True
-    if arch == "gemma3":
-        cfg = Gemma3TextConfig(
-            **_COMMON, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]
-        )
-        return cfg, Gemma3ForCausalLM, True
-    raise ValueError(arch)
-
-
-ARCHS = ["llama", "llama_mqa", "mistral", "qwen2", "gemma3"]
-
-
-def _build(arch: str, seed: int = 0):
-    """A stock-``sdpa`` reference model and an independent kvcert copy with the same weights."""
-    cfg, cls, sliding = _config(arch)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    reference = cls(cfg).eval()
-    model = copy.deepcopy(reference)
-    assert reference.config._attn_implementation == "sdpa"
-    return reference, model, sliding
-
-
-def _prompt(seed: int, n_context: int = CONTEXT, n_question: int = QUESTION):
-    g = torch.Generator().manual_seed(seed)
-    context = torch.randint(3, VOCAB, (1, n_context), generator=g)
-    question = torch.randint(3, VOCAB, (1, n_question), generator=g)
-    return context, question
 
 
 def _prefill(model, context: torch.Tensor, question: torch.Tensor, setting: str):

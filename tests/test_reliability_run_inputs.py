@@ -1,4 +1,4 @@
-"""Issue #6: every bad input to ``kvcert-run`` ends in one clear line, a non-zero exit and no outputs.
+"""Every bad input to ``kvcert-run`` ends in one clear line, a non-zero exit and no outputs.
 
 Each row of ``CASES`` is one bad input a user can type (docs/bad_inputs.md lists the same rows). The row is
 run through ``kvcert.runner.cli.main`` in this process (the console script's exact code path, without
@@ -159,8 +159,13 @@ def test_bad_input_is_one_line_and_writes_nothing(base, extra, expected, fixture
     _assert_no_outputs(argv, out_dir)
 
 
-def test_partial_run_of_another_configuration_is_refused(fixtures, tmp_path, capsys):
-    """An out_dir holding checkpoints of a different configuration is left untouched."""
+def test_partial_run_of_another_configuration_is_refused(fixtures, tmp_path, tmp_path_factory, capsys, monkeypatch):
+    """An out_dir holding checkpoints of a different configuration is left untouched. The check comes after the
+    model and the items are loaded, so a tiny GGUF model stands in for SmolLM2 (nothing is downloaded)."""
+    from helpers.tiny_gguf import shared_kvcert_cache, shared_tiny_gguf
+
+    tiny = shared_tiny_gguf(tmp_path_factory, "qwen2")
+    monkeypatch.setenv("KVCERT_CACHE", str(shared_kvcert_cache(tmp_path_factory)))
     out_dir = tmp_path / "cell"
     (out_dir / ".parts").mkdir(parents=True)
     marker = out_dir / ".parts" / "identity.json"
@@ -168,7 +173,7 @@ def test_partial_run_of_another_configuration_is_refused(fixtures, tmp_path, cap
 
     marker.write_text(json.dumps({"config": {"n_items": 99}, "items_sha256": "x", "code_fingerprint": code_fingerprint()}))
     before = marker.read_text()
-    rc = cli.main(_argv(RULER, [], fixtures, out_dir))
+    rc = cli.main(_argv(RULER, ["model=gguf", f"model.path={tiny.path}"], fixtures, out_dir))
     last = _last_line(capsys.readouterr().err)
     assert rc == 2 and f"out_dir={out_dir} holds a partial run of a different configuration" in last
     assert marker.read_text() == before and sorted(p.name for p in out_dir.rglob("*")) == [".parts", "identity.json"]

@@ -1,4 +1,4 @@
-"""Issue #3: workloads no one here wrote, and models of other architectures, run through ``kvcert-run`` unchanged.
+"""Workloads no one here wrote, and models of other architectures, run through ``kvcert-run`` unchanged.
 
 A JSON-lines workload in the documented schema (``tests/helpers/workload.py``: logs, a recipe, German /
 Japanese / Greek / emoji text; metrics string_match_part, qa_f1, string_match_all and the default; missing
@@ -33,6 +33,7 @@ import torch
 
 from helpers.cells import check_cell, expected_configurations, run_cell
 from helpers.tiny_gguf import converted_dir, shared_kvcert_cache, shared_tiny_gguf
+from helpers.tokenizer import byte_level_tokenizer
 from helpers.workload import max_new_tokens, write_workload
 
 POLICIES = ["snapkv", "h2o", "tova", "knorm", "streamingllm", "uniform"]
@@ -158,7 +159,7 @@ def tiny_gemma3_dir(tmp_path_factory):
 
     import kvcert
 
-    tokenizer = kvcert.load_tokenizer("smollm2")
+    tokenizer = byte_level_tokenizer()  # built here: no model download
     config = Gemma3TextConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=16,
@@ -198,7 +199,7 @@ def test_attention_logit_softcapping_is_refused_in_one_line(tmp_path, workload):
 
     import kvcert
 
-    tokenizer = kvcert.load_tokenizer("smollm2")
+    tokenizer = byte_level_tokenizer()  # built here: no model download
     config = Gemma2Config(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, sliding_window=16, attn_logit_softcapping=50.0,

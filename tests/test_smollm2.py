@@ -6,8 +6,21 @@ cache); every layer × KV head; 200 Poisson draws per budget. For each draw, ô 
 ``hajek_attention`` over the sampled prefix plus the new token (certain), o from plain softmax attention
 over everything; per KV head the outputs of its query heads form one vector.
 
-Pre-set thresholds: bound coverage P(‖ô − o‖ ≤ √(tr V̂ / 0.05)) ≥ 0.93; per-coordinate nominal-95% Wald
-coverage in [0.6, 0.99]; median relative error of Poisson+Hájek below uniform sampling at 25%.
+Acceptance windows, derived from the number of draws (draws are independent: each one's coverage over every
+layer × KV head is one observation, and SE is their standard deviation over √draws; z = 3.29):
+
+* bound coverage P(‖ô − o‖ ≤ √(tr V̂ / 0.05)) ≥ 0.95 − z·SE: Chebyshev guarantees 1 − δ = 0.95 when tr V̂ is
+  the variance; false alarm ≤ 0.05% (one-sided) when it does;
+* per-coordinate nominal-95% Wald coverage within 0.02 + z·SE of what an independent implementation of the
+  estimator measured on a comparable SmolLM2 pass-key prompt (741 tokens, four needles, the same design):
+  0.872 at 25% and 0.896 at 50%. Real attention is not where the normal approximation holds (heavy softmax
+  weights in deep layers), so Wald under-covers; the 0.02 allows for the other prompt, and the false alarm
+  is ≤ 0.1% within it. Nominal Wald coverage itself is tested where the approximation holds, through the
+  decode path (``tests/test_certificate_calibration.py``);
+* median relative error of Poisson+Hájek below uniform sampling at 25%.
+
+The per-head retained sets of the decode path are checked against a float64 recomputation on this model in
+``tests/test_reference_decoding.py``; here the estimator is driven directly, so that 200 draws stay cheap.
 """
 
 from __future__ import annotations
@@ -30,6 +43,8 @@ pytestmark = pytest.mark.smollm2
 DRAWS = 200
 DELTA = 0.05
 Z95 = 1.959963984540054
+Z = 3.290526731491926  # two-sided 0.1%, one-sided 0.05%
+INDEPENDENT_WALD = {0.25: 0.872, 0.5: 0.896}  # an independent implementation, comparable prompt
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +153,12 @@ def test_certificate_and_wald_coverage_on_real_attention(first_step, budget):
         f"bound coverage {bound_cov:.3f}, ‖e‖≤1.96√trV̂ {bound_196:.3f}, Wald coverage {wald_cov:.3f}, "
         f"median rel. error {np.median(rel):.4f}, Spearman(√trV̂, ‖e‖) {rho:.3f}"
     )
-    assert bound_cov >= 0.93, bound_cov
-    assert 0.6 <= wald_cov <= 0.99, wald_cov
+    per_draw_bound = (m["err"] <= cert).mean(axis=(0, 2))  # (draws,): m[...] is (layers, draws, kv_heads)
+    per_draw_wald = m["wald"].mean(axis=(0, 2))
+    se_bound = per_draw_bound.std(ddof=1) / math.sqrt(DRAWS)
+    se_wald = per_draw_wald.std(ddof=1) / math.sqrt(DRAWS)
+    assert bound_cov >= 1 - DELTA - Z * se_bound, (bound_cov, se_bound)
+    assert abs(wald_cov - INDEPENDENT_WALD[budget]) <= 0.02 + Z * se_wald, (wald_cov, se_wald)
 
 
 def test_poisson_beats_uniform_at_quarter_budget(first_step):

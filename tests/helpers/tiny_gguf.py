@@ -3,9 +3,10 @@
 ``write_tiny_gguf(path, arch)`` builds a small transformers model of ``arch`` from a config (hidden 64, a few
 layers, seeded random weights), renames its tensors to GGUF's names with ``gguf.get_tensor_name_map``,
 undoes what transformers' GGUF loader does to them (Gemma norms are stored as ``w + 1``), and writes F32
-tensors plus the architecture's metadata keys. The tokenizer is SmolLM2's: every ``tokenizer.*`` key of
-the bundled SmolLM2 GGUF is copied over (a byte-level BPE, so transformers builds it the same way for any
-architecture), and the vocabulary size is that tokenizer's.
+tensors plus the architecture's metadata keys. The tokenizer is a byte-level BPE built like SmolLM2's and trained on
+the fly (``tests/helpers/tokenizer.py``), written as GGUF ``tokenizer.*`` keys, so that nothing is
+downloaded; ``tokenizer_source=`` copies every ``tokenizer.*`` key of another GGUF file instead (e.g. the
+bundled SmolLM2's). The vocabulary size is the tokenizer's.
 
 Architectures (each loads with ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` in
 transformers 5.x):
@@ -54,11 +55,12 @@ class TinyGGUF:
 
 @functools.lru_cache(maxsize=4)
 def tokenizer_fields(source: str | None = None) -> tuple[tuple[str, Any, Any, Any], ...]:
-    """``(key, value, vtype, sub_type)`` of every ``tokenizer.*`` key of ``source`` (default: bundled SmolLM2)."""
+    """``(key, value, vtype, sub_type)`` of every ``tokenizer.*`` key of the GGUF file ``source`` (default: the
+    tokenizer trained by ``tests/helpers/tokenizer.py``, no file read)."""
     if source is None:
-        from kvcert.models import fetch_smollm2
+        from helpers.tokenizer import gguf_fields
 
-        source = str(fetch_smollm2())
+        return gguf_fields()
     try:
         return _tokenizer_fields_fast(source)
     except (ImportError, KeyError, TypeError):
@@ -184,7 +186,7 @@ def _gguf_tensors(model, gguf_arch: str, num_layers: int) -> dict[str, np.ndarra
 def write_tiny_gguf(
     path: str | Path, arch: str = "qwen2", *, seed: int = 0, tokenizer_source: str | None = None
 ) -> TinyGGUF:
-    """Write a tiny random-weight ``arch`` model with SmolLM2's tokenizer to ``path`` (a .gguf file)."""
+    """Write a tiny random-weight ``arch`` model with the built (or ``tokenizer_source``'s) tokenizer to ``path``."""
     import gguf
     import torch
 

@@ -5,22 +5,30 @@ Metrics (name → what it measures):
 - ``string_match_all`` (RULER): percentage of references found in the prediction,
   case-insensitively. Used for needle retrieval, variable tracking, common words.
 - ``string_match_part`` (RULER): 100 if any reference is found in the prediction, else 0.
-- ``qa_f1`` (LongBench): token-level F1 after SQuAD-style normalization (lower case,
+- ``qa_f1`` (LongBench): token-level F1 after LongBench's normalization (lower case,
   no punctuation, no articles "a/an/the", single spaces); maximum over references.
-- ``rouge_l`` (LongBench summarization): ROUGE-L F1, i.e. the longest common subsequence
-  of lower-cased word tokens (``\\w+``), F = 2PR/(P+R); maximum over references.
-  LongBench calls the ``rouge`` package, whose summary-level variant splits sentences on
-  "." and counts distinct words; this plain sentence-level LCS form can differ from it by
-  a few points on long summaries, never in ranking direction on identical texts.
-- ``classification`` (LongBench trec): the classes of ``all_classes`` that occur in the
-  prediction, ignoring those that are only a part of the reference class; 100/k if the
-  reference is among the k matches, else 0. Needs ``all_classes=``.
+- ``qa_f1_zh`` (LongBench, Chinese): token F1 over ``jieba`` words, each stripped of
+  Chinese and ASCII punctuation and spaces.
+- ``rouge_l`` (LongBench summarization): the ROUGE-L F of the ``rouge`` package
+  (``Rouge().get_scores(...)["rouge-l"]["f"]``, its summary-level LCS over sentences split
+  on "."), on the raw strings as LongBench passes them; maximum over references. Where the
+  package raises (an empty prediction, or a text long enough to exhaust its recursive LCS),
+  the score is 0, as in LongBench.
+- ``rouge_zh`` (LongBench, Chinese): ``rouge_l`` of the ``jieba`` words joined by spaces.
+- ``classification`` (LongBench trec, lsht): the classes of ``all_classes`` that occur in the
+  prediction; LongBench then drops those that are only a part of the reference class, with
+  its loop removing items from the list it walks (so a match right after a dropped one is
+  kept; reproduced, so that scores stay LongBench's); 100/k if the reference is among the k
+  remaining matches, else 0. Needs ``all_classes=``.
 - ``retrieval`` (LongBench passage_retrieval_en): share of the numbers in the prediction
-  equal to the reference paragraph number ("Paragraph 12" → 12).
+  equal to the reference paragraph number ("Paragraph 12" → 12); ``retrieval_zh`` the same
+  for "段落12".
 - ``count`` (LongBench passage_count): share of the numbers in the prediction equal to
   the reference count.
-- ``code_sim`` (LongBench lcc, repobench-p): similarity ratio (difflib) between the
-  first prediction line that is not a comment or code fence and the reference line.
+- ``code_sim`` (LongBench lcc, repobench-p): ``fuzzywuzzy``'s ``fuzz.ratio`` (an integer
+  0–100) between the first prediction line that holds no backtick, "#" or "//" and the
+  reference line. fuzzywuzzy uses ``difflib`` unless ``python-Levenshtein`` is installed,
+  which LongBench's environment does not install (nor does kvcert's).
 
 Any metric accepts ``first_line=True``: score only the first non-empty line of the
 prediction (LongBench does this for trec, triviaqa and samsum).
@@ -31,9 +39,9 @@ metric's threshold in :data:`CORRECT_THRESHOLDS`:
 
 - exact-style metrics (string matches, classification, retrieval, count): 100, i.e. every
   reference found / the single right class or number and nothing else;
-- ``qa_f1`` and ``code_sim``: 50, i.e. the answer overlaps the reference more than it
+- ``qa_f1`` (and ``qa_f1_zh``) and ``code_sim``: 50, i.e. the answer overlaps the reference more than it
   differs from it;
-- ``rouge_l``: 25, because reference summaries are abstractive and even strong models
+- ``rouge_l`` (and ``rouge_zh``): 25, because reference summaries are abstractive and even strong models
   score 20–35 ROUGE-L on LongBench summarization; 50 would call nearly every summary wrong.
 
 A caller can pass another ``threshold`` explicitly.
@@ -41,10 +49,11 @@ A caller can pass another ``threshold`` explicitly.
 
 from __future__ import annotations
 
-import difflib
 import re
 import string
+import warnings
 from collections import Counter
+from functools import lru_cache
 from typing import Callable, Mapping, Sequence
 
 MetricFn = Callable[..., float]
@@ -98,42 +107,75 @@ def qa_f1(prediction: str, answers: Sequence[str], **_: object) -> float:
     return 100.0 * max(_token_f1(pred_tokens, normalize_answer(ref).split()) for ref in answers)
 
 
-def _lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
-    # Classic O(len(a)·len(b)) dynamic programme keeping one row.
-    if len(a) < len(b):
-        a, b = b, a
-    previous = [0] * (len(b) + 1)
-    for x in a:
-        current = [0]
-        for j, y in enumerate(b, start=1):
-            current.append(previous[j - 1] + 1 if x == y else max(previous[j], current[j - 1]))
-        previous = current
-    return previous[-1]
+@lru_cache(maxsize=1)
+def _rouge():
+    from rouge import Rouge
+
+    return Rouge()
 
 
-def _rouge_tokens(text: str) -> list[str]:
-    return re.findall(r"\w+", text.lower())
+def _rouge_l_one(prediction: str, reference: str) -> float:
+    try:
+        return float(_rouge().get_scores([prediction], [reference], avg=True)["rouge-l"]["f"])
+    except (ValueError, RecursionError):
+        # LongBench scores 0 where the package gives up: an empty hypothesis (ValueError) or an LCS
+        # table deeper than Python's recursion limit on long summaries.
+        return 0.0
 
 
 def rouge_l(prediction: str, answers: Sequence[str], **_: object) -> float:
-    """Best ROUGE-L F1 over references, ×100."""
-    pred = _rouge_tokens(prediction)
-    best = 0.0
-    for ref in answers:
-        ref_tokens = _rouge_tokens(ref)
-        lcs = _lcs_length(pred, ref_tokens) if pred and ref_tokens else 0
-        if lcs:
-            precision, recall = lcs / len(pred), lcs / len(ref_tokens)
-            best = max(best, 2 * precision * recall / (precision + recall))
-    return 100.0 * best
+    """Best ROUGE-L F of the ``rouge`` package over references, ×100."""
+    return 100.0 * max(_rouge_l_one(prediction, ref) for ref in answers)
+
+
+# --------------------------------------------------------------------------- LongBench, Chinese
+
+# Full-width and CJK punctuation LongBench strips besides string.punctuation.
+_ZH_PUNCTUATION = frozenset(
+    "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+) | _PUNCTUATION
+
+
+def _jieba_words(text: str) -> list[str]:
+    import jieba
+
+    jieba.setLogLevel(60)  # its dictionary-loading messages would go to stderr on every first use
+    return list(jieba.cut(text, cut_all=False))
+
+
+def _normalize_zh(token: str) -> str:
+    return "".join(ch for ch in token.lower() if ch not in _ZH_PUNCTUATION and not ch.isspace())
+
+
+def qa_f1_zh(prediction: str, answers: Sequence[str], **_: object) -> float:
+    """Best token F1 over references of the normalized ``jieba`` words (empty words dropped), ×100."""
+    def words(text):
+        return [w for w in (_normalize_zh(t) for t in _jieba_words(text)) if w]
+
+    pred = words(prediction)
+    return 100.0 * max(_token_f1(pred, words(ref)) for ref in answers)
+
+
+def rouge_zh(prediction: str, answers: Sequence[str], **_: object) -> float:
+    """``rouge_l`` on ``jieba`` words joined by spaces, ×100."""
+    pred = " ".join(_jieba_words(prediction))
+    return 100.0 * max(_rouge_l_one(pred, " ".join(_jieba_words(ref))) for ref in answers)
 
 
 def _classification_one(prediction: str, reference: str, all_classes: Sequence[str]) -> float:
     matches = [c for c in all_classes if c in prediction]
-    # A class that is only part of the reference's name ("Entity" inside "Other entity")
-    # is not held against the prediction.
-    matches = [c for c in matches if not (c in reference and c != reference)]
-    return 1.0 / len(matches) if reference in matches else 0.0
+    # A class that is only part of the reference's name ("Entity" inside "Other entity") is not held
+    # against the prediction. LongBench removes such classes from the list while iterating over it, so
+    # the match right after a removed one is never examined and stays; kept that way, so that scores
+    # equal LongBench's.
+    kept, unexamined = [], False
+    for c in matches:
+        if unexamined or not (c in reference and c != reference):
+            kept.append(c)
+            unexamined = False
+        else:
+            unexamined = True
+    return 1.0 / len(kept) if reference in kept else 0.0
 
 
 def classification(prediction: str, answers: Sequence[str], *, all_classes: Sequence[str] | None = None,
@@ -151,15 +193,24 @@ def _share_of_numbers_equal(prediction: str, target: str) -> float:
     return sum(n == target for n in numbers) / len(numbers)
 
 
-def retrieval(prediction: str, answers: Sequence[str], **_: object) -> float:
-    """LongBench passage retrieval: references look like "Paragraph 12", ×100."""
+def _retrieval(prediction: str, answers: Sequence[str], pattern: str, name: str, example: str) -> float:
     best = 0.0
     for ref in answers:
-        found = re.findall(r"Paragraph (\d+)", ref)
+        found = re.findall(pattern, ref)
         if not found:
-            raise ValueError(f"metric 'retrieval' expects references like 'Paragraph 12', got {ref!r}")
+            raise ValueError(f"metric {name!r} expects references like {example!r}, got {ref!r}")
         best = max(best, _share_of_numbers_equal(prediction, found[0]))
     return 100.0 * best
+
+
+def retrieval(prediction: str, answers: Sequence[str], **_: object) -> float:
+    """LongBench passage retrieval: references look like "Paragraph 12", ×100."""
+    return _retrieval(prediction, answers, r"Paragraph (\d+)", "retrieval", "Paragraph 12")
+
+
+def retrieval_zh(prediction: str, answers: Sequence[str], **_: object) -> float:
+    """LongBench passage_retrieval_zh: references look like "段落12", ×100."""
+    return _retrieval(prediction, answers, r"段落(\d+)", "retrieval_zh", "段落12")
 
 
 def count(prediction: str, answers: Sequence[str], **_: object) -> float:
@@ -174,10 +225,19 @@ def _first_code_line(prediction: str) -> str:
     return ""
 
 
+@lru_cache(maxsize=1)
+def _fuzz():
+    with warnings.catch_warnings():
+        # Without python-Levenshtein fuzzywuzzy warns that it uses difflib, which is what LongBench measured with.
+        warnings.simplefilter("ignore", UserWarning)
+        from fuzzywuzzy import fuzz
+    return fuzz
+
+
 def code_sim(prediction: str, answers: Sequence[str], **_: object) -> float:
-    """Similarity ratio of the first code line to the reference line, ×100."""
+    """``fuzz.ratio`` of the first code line and the reference line (0–100)."""
     line = _first_code_line(prediction)
-    return 100.0 * max(difflib.SequenceMatcher(None, line, ref).ratio() for ref in answers)
+    return float(max(_fuzz().ratio(line, ref) for ref in answers))
 
 
 # --------------------------------------------------------------------------- registry
@@ -186,9 +246,12 @@ METRICS: dict[str, MetricFn] = {
     "string_match_all": string_match_all,
     "string_match_part": string_match_part,
     "qa_f1": qa_f1,
+    "qa_f1_zh": qa_f1_zh,
     "rouge_l": rouge_l,
+    "rouge_zh": rouge_zh,
     "classification": classification,
     "retrieval": retrieval,
+    "retrieval_zh": retrieval_zh,
     "count": count,
     "code_sim": code_sim,
 }
@@ -197,9 +260,12 @@ CORRECT_THRESHOLDS: dict[str, float] = {
     "string_match_all": 100.0,
     "string_match_part": 100.0,
     "qa_f1": 50.0,
+    "qa_f1_zh": 50.0,
     "rouge_l": 25.0,
+    "rouge_zh": 25.0,
     "classification": 100.0,
     "retrieval": 100.0,
+    "retrieval_zh": 100.0,
     "count": 100.0,
     "code_sim": 50.0,
 }

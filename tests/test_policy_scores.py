@@ -1,0 +1,203 @@
+"""Each scoring policy against its paper's formula, written out here independently in float64 numpy.
+
+A hand-built ``LayerView`` has GQA (4 query heads over 2 KV heads: query head h reads KV head h // 2, as
+transformers groups them) and a sliding window shorter than the prefix, so that the causal and window masks
+both hide keys from some window query. The formulas:
+
+* SnapKV (Li et al., 2024): softmax attention of the observation window (the last w prompt queries) over
+  the visible keys, averaged over the window, smoothed by a 1-D average pool of width 5 (zero padding,
+  counted), then averaged over the query heads of each KV head;
+* TOVA (Oren et al., 2024): the attention of the last prompt token alone, averaged over the query heads;
+* H2O (Zhang et al., 2023): the attention each key received, summed over every prefill query, averaged
+  over the query heads. Besides the hand-built view, the accumulation itself is checked through
+  ``kvcert.prefill(..., accumulate=True)`` on a tiny Gemma3 (one sliding-window layer, one full layer)
+  with a prompt longer than the 256-query chunks it is accumulated in, against attention recomputed from
+  the queries and keys captured in the prefill;
+* Knorm (Devoto et al., 2024): 1 / ‖k‖ per KV head; StreamingLLM: recency; uniform: a constant.
+
+The query-head merge is a mean: a maximum over the heads of a KV head (or over the window) gives other
+scores here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from helpers.attention import interposed
+from helpers.tiny_models import build, prompt
+
+import kvcert
+from kvcert.attention import kvcert_attention
+from kvcert.policies import LayerView, get_policy
+
+N, W, D, SLIDING = 20, 6, 8, 7  # prefix length, observation window, head dim, sliding window
+HQ, HK = 4, 2
+RTOL, ATOL = 2e-5, 1e-7  # the policies compute in float32
+
+
+def _view(sliding: int | None = SLIDING, seed: int = 0) -> LayerView:
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, HK, N, D, generator=g)
+    values = torch.randn(1, HK, N, D, generator=g)
+    queries = 2.0 * torch.randn(1, HQ, W, D, generator=g)  # peaked attention: heads and window rows differ
+    accumulated = torch.rand(1, HQ, N, generator=g) * 5
+    return LayerView(keys=keys, values=values, window_queries=queries, accumulated_attention=accumulated,
+                     scale=1 / math.sqrt(D), sliding_window=sliding)
+
+
+def _attention(q: np.ndarray, k: np.ndarray, positions: np.ndarray, scale: float, sliding: int | None) -> np.ndarray:
+    """Softmax attention rows of queries at ``positions`` over keys 0..n-1, per query head.
+
+    q: (hq, m, d); k: (hk, n, d); positions: (m,) ints. Returns (hq, m, n); query head h reads KV head
+    h // (hq / hk).
+    """
+    hq, m, _ = q.shape
+    hk, n, _ = k.shape
+    out = np.zeros((hq, m, n))
+    for h in range(hq):
+        kv = h // (hq // hk)
+        for j, p in enumerate(positions):
+            visible = [i for i in range(n) if i <= p and (sliding is None or i > p - sliding)]
+            logits = scale * (k[kv, visible] @ q[h, j])
+            weights = np.exp(logits - logits.max())
+            out[h, j, visible] = weights / weights.sum()
+    return out
+
+
+def _group_mean(per_query_head: np.ndarray) -> np.ndarray:
+    """(hq, n) -> (hk, n): the mean over the query heads of each KV head (written as a loop on purpose)."""
+    hq, n = per_query_head.shape
+    group = hq // HK
+    return np.stack([np.mean([per_query_head[kv * group + r] for r in range(group)], axis=0) for kv in range(HK)])
+
+
+def _pool5(x: np.ndarray) -> np.ndarray:
+    """Average over positions i-2..i+2, zeros beyond the ends counted in the width of 5."""
+    n = x.shape[-1]
+    return np.stack([x[..., max(0, i - 2): i + 3].sum(-1) / 5 for i in range(n)], axis=-1)
+
+
+def _window_attention(view: LayerView) -> np.ndarray:
+    q = view.window_queries[0].double().numpy()
+    k = view.keys[0].double().numpy()
+    return _attention(q, k, np.arange(N - W, N), view.scale, view.sliding_window)
+
+
+def _score(name: str, view: LayerView) -> np.ndarray:
+    return get_policy(name).score(view)[0].double().numpy()  # (hk, n)
+
+
+def snapkv_reference(view: LayerView) -> np.ndarray:
+    return _group_mean(_pool5(_window_attention(view).mean(axis=1)))
+
+
+def test_the_example_exercises_the_masks_and_the_heads():
+    """The sliding window hides keys that causality alone would show, and the heads of a KV head differ."""
+    view = _view()
+    attn = _window_attention(view)
+    unwindowed = _attention(view.window_queries[0].double().numpy(), view.keys[0].double().numpy(),
+                            np.arange(N - W, N), view.scale, None)
+    assert (attn == 0).any() and not np.allclose(attn, unwindowed)
+    assert np.abs(attn[0] - attn[1]).max() > 0.05  # query heads 0 and 1 share KV head 0
+    assert np.abs(attn[:, 0] - attn[:, -1]).max() > 0.05  # window rows differ
+
+
+@pytest.mark.parametrize("sliding", [SLIDING, None])
+def test_snapkv_is_pooled_window_attention_averaged_over_query_heads(sliding):
+    view = _view(sliding)
+    expected = snapkv_reference(view)
+    np.testing.assert_allclose(_score("snapkv", view), expected, rtol=RTOL, atol=ATOL)
+    # Pinned choices: a max over the window, over the heads of a KV head, or no pooling give other scores.
+    attn = _window_attention(view)
+    for other in (_group_mean(_pool5(attn.max(axis=1))),
+                  np.stack([_pool5(attn.mean(axis=1))[2 * kv: 2 * kv + 2].max(0) for kv in range(HK)]),
+                  _group_mean(attn.mean(axis=1))):
+        assert np.abs(other - expected).max() > 1e-3
+
+
+def test_tova_is_the_last_queries_attention_averaged_over_query_heads():
+    view = _view()
+    expected = _group_mean(_window_attention(view)[:, -1, :])
+    np.testing.assert_allclose(_score("tova", view), expected, rtol=RTOL, atol=ATOL)
+    assert np.abs(_group_mean(_window_attention(view)[:, -2, :]) - expected).max() > 1e-3
+
+
+def test_h2o_averages_the_accumulated_attention_over_query_heads():
+    view = _view()
+    acc = view.accumulated_attention[0].double().numpy()
+    np.testing.assert_allclose(_score("h2o", view), _group_mean(acc), rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="accumulated attention"):
+        get_policy("h2o").score(LayerView(view.keys, view.values, view.window_queries, None, view.scale))
+
+
+def test_knorm_streaming_and_uniform():
+    view = _view()
+    k = view.keys[0].double().numpy()
+    np.testing.assert_allclose(_score("knorm", view), 1 / np.sqrt((k ** 2).sum(-1)), rtol=RTOL)
+    np.testing.assert_array_equal(_score("streamingllm", view), np.tile(np.arange(1, N + 1), (HK, 1)))
+    uniform = _score("uniform", view)
+    assert uniform.shape == (HK, N) and (uniform == uniform.flat[0]).all() and uniform.flat[0] > 0
+
+
+def test_streaming_topk_keeps_the_sinks_and_the_latest_tokens():
+    """StreamingLLM under the topk design: the same positions in every head, the first sinks and the last ones."""
+    from kvcert.designs import DesignOptions, topk_design
+
+    scores = get_policy("streamingllm").score(_view())
+    options = DesignOptions(n_sink=2, n_recent=3)
+    sel = topk_design(scores, 0.5, options, generator=torch.Generator().manual_seed(0))
+    expected = list(range(2)) + list(range(N - 8, N))  # 10 slots: 2 sinks, then the latest 8
+    for kv in range(HK):
+        assert sel.index[0, kv].tolist() == expected
+
+
+# --------------------------------------------------------------------------- through the prefill
+
+
+@pytest.fixture(scope="module")
+def captured_prefill():
+    """A 300-token prefill (more than one 256-query chunk) of a tiny Gemma3 whose layer 0 has a 96-token
+    sliding window; every attention call's queries and keys are captured as the prefill runs."""
+    _, model, _ = build("gemma3", seed=3, window=96)
+    calls = []
+
+    def capture(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        calls.append((module.layer_idx, query.detach().double()[0], key.detach().double()[0], float(scaling),
+                      kwargs.get("sliding_window")))
+        return kvcert_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+    context, question = prompt(21, n_context=290, n_question=10)
+    ids = torch.cat([context, question], -1)
+    with interposed(capture):  # the prefill attaches "kvcert": the wrapper records every call
+        state = kvcert.prefill(model, ids, observation_window=16, accumulate=True)
+    assert state.context_tokens == 300 > 256
+    assert [c[4] for c in calls] == [96, None]  # layer 0 sliding, layer 1 full
+    return state, calls
+
+
+def test_h2o_accumulates_over_every_prefill_query(captured_prefill):
+    state, calls = captured_prefill
+    scores = state.scores("h2o")
+    for layer, q, k, scale, sliding in calls:
+        n = k.shape[1]
+        attn = _attention(q.numpy(), k.numpy(), np.arange(n), scale, sliding)  # (hq, n, n)
+        expected = _group_mean(attn.sum(axis=1))
+        np.testing.assert_allclose(scores[layer][0].double().numpy(), expected, rtol=1e-4, atol=1e-5)
+        # The queries past the first 256 carry weight: leaving them out changes every late key's score.
+        partial = _group_mean(attn[:, :256].sum(axis=1))
+        assert np.abs(partial - expected).max() > 0.1
+
+
+def test_snapkv_and_tova_read_the_last_prefill_queries(captured_prefill):
+    state, calls = captured_prefill
+    window = 16
+    for layer, q, k, scale, sliding in calls:
+        n = k.shape[1]
+        attn = _attention(q[:, -window:].numpy(), k.numpy(), np.arange(n - window, n), scale, sliding)
+        snapkv = _group_mean(_pool5(attn.mean(axis=1)))
+        np.testing.assert_allclose(state.scores("snapkv")[layer][0].double().numpy(), snapkv, rtol=1e-4, atol=1e-7)
+        tova = _group_mean(attn[:, -1])
+        np.testing.assert_allclose(state.scores("tova")[layer][0].double().numpy(), tova, rtol=1e-4, atol=1e-7)
