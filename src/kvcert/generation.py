@@ -50,6 +50,7 @@ class Prefill:
     suffix_ids: torch.Tensor
     last_logits: torch.Tensor
     setting: str
+    policy_options: dict = field(default_factory=dict)  # policy name -> keyword options of that policy
     _scores: dict = field(default_factory=dict)
 
     @property
@@ -75,7 +76,7 @@ class Prefill:
     def scores(self, policy_name: str) -> list[torch.Tensor]:
         """Per-layer scores (batch, kv_heads, n) of a policy, computed once per prefill."""
         if policy_name not in self._scores:
-            policy = get_policy(policy_name)
+            policy = get_policy(policy_name, **self.policy_options.get(policy_name, {}))
             self._scores[policy_name] = [policy.score(view) for view in self.layer_views()]
         return self._scores[policy_name]
 
@@ -89,11 +90,13 @@ def prefill(
     setting: str = "question_aware",
     observation_window: int = DEFAULT_OBSERVATION_WINDOW,
     accumulate: bool = False,
+    policy_options: dict | None = None,
 ) -> Prefill:
     """Run the model over ``prefix_ids`` (1, n) once, recording what the scoring policies need.
 
     observation_window: the last prompt tokens whose queries SnapKV and TOVA score with; accumulate: also
-    collect each key's accumulated attention (needed by h2o; one more O(n²) pass).
+    collect each key's accumulated attention (needed by h2o; one more O(n²) pass); policy_options: per
+    policy name, keyword options of that policy (e.g. ``{"snapkv": {"kernel_size": 7, "pooling": "max"}}``).
     """
     check_setting(setting)
     if prefix_ids.ndim != 2 or prefix_ids.shape[0] != 1:
@@ -108,7 +111,7 @@ def prefill(
     # Only the last position's logits are needed; the full (n, vocab) matrix would dominate the prefill.
     with attach(model):
         out = model(input_ids=prefix_ids, cache=cache, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
-    return Prefill(cache, prefix_ids, suffix_ids, out.logits[:, -1].float(), setting)
+    return Prefill(cache, prefix_ids, suffix_ids, out.logits[:, -1].float(), setting, dict(policy_options or {}))
 
 
 def select(
@@ -389,6 +392,7 @@ def generate(
     delta: float = DEFAULT_DELTA,
     observation_window: int = DEFAULT_OBSERVATION_WINDOW,
     options: DesignOptions = DesignOptions(),
+    policy_options: dict | None = None,
     max_context_tokens: int | None = None,
     truncate: str = "middle",
     calibration=None,
@@ -411,7 +415,7 @@ def generate(
     full = policy == FULL
     needs_acc = (not full) and get_policy(policy).needs_accumulated_attention
     state = prefill(model, prompt.prefix_ids, prompt.suffix_ids, setting=setting,
-                    observation_window=observation_window, accumulate=needs_acc)
+                    observation_window=observation_window, accumulate=needs_acc, policy_options=policy_options)
     draw = seed if item_id is None else item_seed(seed, item_id)
     selections = None if full else select(state, policy, design, budget, draw, options)
     decoded = decode(

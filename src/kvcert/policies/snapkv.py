@@ -19,6 +19,12 @@ class SnapKV:
     pooling: str = "avg"
     needs_accumulated_attention = False
 
+    def __post_init__(self):
+        if not isinstance(self.kernel_size, int) or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size={self.kernel_size!r} must be a positive odd integer (a centred window)")
+        if self.pooling not in ("avg", "max"):
+            raise ValueError(f"pooling={self.pooling!r} is unknown; known: ['avg', 'max']")
+
     def score(self, view: LayerView, generator=None) -> torch.Tensor:
         attention = view.window_attention().mean(dim=2)  # (b, q_heads, n)
         pool = {"avg": F.avg_pool1d, "max": F.max_pool1d}[self.pooling]

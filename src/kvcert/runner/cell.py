@@ -38,7 +38,7 @@ PARTS = ".parts"
 _IDENTITY_KEYS = (
     "data", "model", "policies", "designs", "budgets", "seeds", "extra_grids", "setting", "n_items", "shard", "n_shards",
     "oracle", "certify", "delta", "observation_window", "design_options", "max_context_tokens", "truncate",
-    "store_steps",
+    "store_steps", "policy_options",
 )
 
 
@@ -88,7 +88,8 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
     accumulate = any(get_policy(p).needs_accumulated_attention for p in cell.all_policies)
     start = time.perf_counter()
     state: Prefill = prefill(model, prompt.prefix_ids, prompt.suffix_ids, setting=cell.setting,
-                             observation_window=cell.observation_window, accumulate=accumulate)
+                             observation_window=cell.observation_window, accumulate=accumulate,
+                             policy_options=cell.policy_options)
     timings["prefill"] += time.perf_counter() - start
     stop = eos_ids(model, tokenizer)
     rows, steps = [], []

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..designs import DESIGNS, DesignOptions
@@ -48,6 +49,7 @@ class CellConfig:
     truncate: str
     extra_grids: tuple[Grid, ...] = ()
     store_steps: bool = True
+    policy_options: dict = field(default_factory=dict)
 
     @property
     def grids(self) -> tuple[Grid, ...]:
@@ -167,6 +169,32 @@ def _design_options(cfg: Mapping[str, Any]) -> DesignOptions:
     return DesignOptions(**values)
 
 
+def _policy_options(cfg: Mapping[str, Any]) -> dict:
+    """``policy_options``: {policy: {option: value}} for registered policies and their dataclass fields."""
+    raw = cfg.get("policy_options") or {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"policy_options={raw!r}: expected a mapping, e.g. 'policy_options={{snapkv: {{kernel_size: 7}}}}'")
+    out = {}
+    for name, options in raw.items():
+        if name not in POLICIES:
+            raise ConfigError(f"policy_options.{name}: {name!r} is not a policy; known: {sorted(POLICIES)}")
+        fields = {f.name: f for f in dataclasses.fields(POLICIES[name])} if dataclasses.is_dataclass(POLICIES[name]) else {}
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"policy_options.{name}={options!r}: expected a mapping of {sorted(fields)}")
+        for key, value in options.items():
+            if key not in fields:
+                raise ConfigError(f"policy_options.{name}.{key}: unknown option; known: {sorted(fields) or 'none'}")
+            kind = type(fields[key].default)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise ConfigError(f"policy_options.{name}.{key}={value!r}: expected {kind.__name__}")
+        try:
+            POLICIES[name](**options).score  # noqa: B018 - construct it: the dataclass checks its own values
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"policy_options.{name}: {err}") from None
+        out[str(name)] = dict(options)
+    return out
+
+
 def _extra_grids(cfg: Mapping[str, Any], seeds: tuple[int, ...]) -> tuple[Grid, ...]:
     grids = []
     for i, grid in enumerate(cfg.get("extra_grids") or []):
@@ -230,4 +258,5 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
         truncate=truncate,
         extra_grids=_extra_grids(cfg, seeds),
         store_steps=_flag(cfg, "store_steps", True),
+        policy_options=_policy_options(cfg),
     )
