@@ -12,14 +12,16 @@ include: "workflow/rules/cells.smk"
 include: "workflow/rules/claims.smk"
 include: "workflow/rules/tables.smk"
 include: "workflow/rules/notebooks.smk"
+include: "workflow/rules/exploratory.smk"
 
 
 rule all:
     default_target: True
     input:
-        TABLES,
+        TABLES if STUDIES else [],
         CLAIM_FIGURES,
-        NOTEBOOKS,
+        NOTEBOOKS if STUDIES else [],
+        EXPLORATORY_OUTPUTS,
 
 
 onerror:

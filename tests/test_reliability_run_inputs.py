@@ -44,7 +44,7 @@ CASES = [
     ("policies-no-brackets", RULER, ["policies=snapkv"], "policies='snapkv': expected a non-empty list, e.g. 'policies=[snapkv]'", False),
     ("design-unknown", RULER, ["designs=[foo]"], "designs: 'foo' is unknown; known: ['poisson', 'topk']", False),
     ("setting-unknown", RULER, ["setting=foo"], "setting='foo' is unknown; known: ['question_aware', 'streaming']", False),
-    ("model-unknown", RULER, ["model=foo"], "model=foo: unknown model; known: gguf, hf, smollm2", False),
+    ("model-unknown", RULER, ["model=foo"], "model=foo: unknown model; known: gemma3, gguf, hf, smollm2", False),
     ("data-unknown", RULER, ["data=foo"], "data=foo: unknown data; known: jsonl, longbench, ruler", False),
     ("truncate-unknown", RULER, ["truncate=foo"], "truncate='foo' is unknown; known: ['middle', 'error']", False),
     ("extra-grid-policy", RULER, ["extra_grids=[{policies:[foo],designs:[poisson],budgets:[0.5]}]"],

@@ -87,19 +87,29 @@ def _studies(scale):
 
 
 STUDIES = _studies(S)
+# Exploratory studies (`exploratory:` in a scale): cells run like any others, analysed by their own rules
+# (workflow/rules/exploratory.smk), never by the pre-registered claims. Each lists `base` overrides and
+# `variants` (name -> overrides added to the base): one cell per variant.
+EXPLORATORY = {
+    name: {"cells": {variant: {"model": spec["model"], "shards": spec.get("shards", 1),
+                               "overrides": [*spec["base"], *extra]}
+                     for variant, extra in spec["variants"].items()}}
+    for name, spec in (S.get("exploratory") or {}).items()
+}
 PREREG_SCALE = str(S.get("prereg_scale", SCALE_NAME))  # the pre-registered scale whose populations it runs
 COMPUTED = [name for name, st in STUDIES.items() if not st["archived"]]
 ARCHIVED = [name for name, st in STUDIES.items() if st["archived"]]
 # Cells are run once per study that owns them (not for a study that reads another's).
-CELL_STUDIES = sorted({STUDIES[name]["source"] for name in COMPUTED})
-SHARDS = [(study, cell, shard) for study in CELL_STUDIES for cell, spec in STUDIES[study]["cells"].items()
+CELL_STUDIES = sorted({STUDIES[name]["source"] for name in COMPUTED} | set(EXPLORATORY))
+_CELLS_OF = {**{name: STUDIES[name]["cells"] for name in COMPUTED}, **{n: e["cells"] for n, e in EXPLORATORY.items()}}
+SHARDS = [(study, cell, shard) for study in CELL_STUDIES for cell, spec in _CELLS_OF[study].items()
           for shard in range(spec["shards"])]
-CELLS = {(study, cell): spec for study in CELL_STUDIES for cell, spec in STUDIES[study]["cells"].items()}
+CELLS = {(study, cell): spec for study in CELL_STUDIES for cell, spec in _CELLS_OF[study].items()}
 
 
 def cell_dirs(study):
-    """The cell directories a study's claims read."""
-    source = STUDIES[study]["source"]
+    """The cell directories a study's claims (or an exploratory study's rules) read."""
+    source = STUDIES[study]["source"] if study in STUDIES else study
     return [f"{OUT}/{source}/cells/{cell}/shard-{shard}" for st, cell, shard in SHARDS if st == source]
 
 

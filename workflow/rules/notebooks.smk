@@ -3,7 +3,8 @@
 # writes the copies kept in <outdir>/notebooks/ without them.
 
 NB_CLAIMS = {"claims": f"{OUT}/claims.csv", "reproduction": f"{OUT}/reproduction.csv", "claim_json": CLAIM_JSON}
-NB_CERTIFICATES = {"steps": CELL_STEPS}
+NB_CERTIFICATES = {"steps": [f"{d}/steps.parquet" for study in sorted({STUDIES[n]["source"] for n in COMPUTED})
+                              for d in cell_dirs(study)]}
 NOTEBOOK_OUTPUTS = {
     "claims": [f"{OUT}/notebooks/claims_summary.md"],
     "certificates": [f"{OUT}/notebooks/certificates_by_layer.csv"],
