@@ -28,7 +28,7 @@ from kvcert.generation import eos_ids
 from kvcert.prompts import model_limit
 from kvcert.runner.cell import item_prompt
 
-COLUMNS = ["model", "family", "task", "n_run", "n_correct", "accuracy", "passed", "curtailed", "cpu_s_per_item",
+COLUMNS = ["round", "model", "family", "task", "n_run", "n_correct", "accuracy", "passed", "curtailed", "cpu_s_per_item",
            "prompt_tokens_mean"]
 
 
@@ -70,14 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="a bundled model name (smollm2, gemma3) or model spec")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--round", type=int, default=1, help="2: the variants of pilot.round_2")
     args = parser.parse_args(argv)
     pilot = yaml.safe_load(args.amendment.read_text())["pilot"]
+    families = pilot["families"] if args.round == 1 else pilot[f"round_{args.round}"]["families"]
     torch.set_num_threads(args.threads)
     model, tokenizer = kvcert.load_model(args.model)
     rows = []
-    for family, variants in pilot["families"].items():
+    for family, variants in families.items():
         for variant in variants:
-            row = {"model": args.model, "family": family, **run_variant(model, tokenizer, variant, pilot)}
+            row = {"round": args.round, "model": args.model, "family": family,
+                   **run_variant(model, tokenizer, variant, pilot)}
             rows.append(row)
             print(", ".join(f"{k}={row[k]}" for k in COLUMNS), file=sys.stderr, flush=True)
             if row["passed"]:
