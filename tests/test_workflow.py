@@ -1,11 +1,15 @@
 """The Snakemake DAG: dry-runs of every scale, bad scales, and the smoke scale end to end (real jobs).
 
 The end-to-end test runs the real pipeline (SmolLM2, kvcert-run, kvcert-claim, notebooks) on the smoke
-scale into a temporary output folder; it takes a few minutes on 2 cores.
+scale; it takes a few minutes on 2 cores. Its claims and reproduction tables must equal the committed
+reference (results/smoke-reference/) byte for byte, so that any change of a number is a reviewed diff of
+that reference; then an edit of the library must make Snakemake rerun every cell and claim, and an edit of
+README.md nothing.
 """
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -26,7 +30,45 @@ def snakemake(*args, timeout=1800):
     )
 
 
-@pytest.mark.parametrize("scale", ["smoke", "default", "paper"])
+REFERENCE = ROOT / "results" / "smoke-reference"
+
+
+def numeric_platform() -> dict:
+    """What decides the float rounding of a run: CPU instruction set torch dispatches to, and versions."""
+    import torch
+    import transformers
+
+    return {"machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def compare_with_reference(out: Path) -> None:
+    """Byte for byte where the reference was made on the same numeric platform; elsewhere (another CPU
+    instruction set rounds float32 differently) the same verdicts and numbers equal to 1e-6 relative."""
+    same_platform = json.loads((REFERENCE / "platform.json").read_text()) == numeric_platform()
+    for name in ("claims.csv", "reproduction.csv"):
+        fresh, reference = (out / name).read_bytes(), (REFERENCE / name).read_bytes()
+        if same_platform:
+            assert fresh == reference, (
+                f"{name} differs from results/smoke-reference/{name}: a change of numbers must be a reviewed "
+                f"diff of the reference (copy the new table there when the change is intended)")
+        else:
+            a, b = pd.read_csv(out / name), pd.read_csv(REFERENCE / name)
+            pd.testing.assert_frame_equal(a.select_dtypes(exclude="number"), b.select_dtypes(exclude="number"))
+            pd.testing.assert_frame_equal(a.select_dtypes("number"), b.select_dtypes("number"), rtol=1e-6, atol=1e-9)
+
+
+def scheduled_jobs(proc) -> dict[str, int]:
+    """Jobs per rule that a dry run lists (its job-stats table)."""
+    counts = {}
+    for line in (proc.stdout + proc.stderr).splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("total", "job"):
+            counts[parts[0]] = int(parts[1])
+    return counts
+
+
+@pytest.mark.parametrize("scale", ["smoke", "default", "paper", "v1"])
 def test_dry_run_is_clean(scale):
     proc = snakemake("-n", "--quiet", "rules", "--config", f"scale={scale}", "outdir=results/dryrun-" + scale)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -49,19 +91,38 @@ def test_smoke_dag_end_to_end(tmp_path):
     proc = snakemake("--cores", "2", "--config", "scale=smoke", f"outdir={out}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     claims = pd.read_csv(ROOT / out / "claims.csv")
-    assert sorted(claims["claim"]) == [f"c{i}" for i in range(1, 8)]
+    assert sorted(claims["claim"]) == sorted([f"c{i}" for i in range(1, 8)] * 2)
     for column in CLAIM_COLUMNS:
         assert column in claims.columns
     assert set(claims["verdict"]) <= {"supported", "not supported", "inconclusive"}
-    figures = sorted((ROOT / out / "figures").glob("*.png"))
+    figures = sorted((ROOT / out / "figures").glob("*/*.png"))
     assert len(figures) >= 5
     for name in ("claims.md", "claims.tex", "reproduction.csv"):
         assert (ROOT / out / name).stat().st_size > 0
     executed = json.loads((ROOT / out / "notebooks" / "claims.ipynb").read_text())
     assert any(cell.get("outputs") for cell in executed["cells"] if cell["cell_type"] == "code")
+    text = (ROOT / out / "notebooks" / "claims.ipynb").read_text()
+    assert str(ROOT) not in text and os.path.expanduser("~") not in text  # no machine path is published
+    assert list(claims["study"]) == ["v1"] * 7 + ["v2"] * 7 and list(claims["prereg"]) == [1] * 7 + [2] * 7
+    compare_with_reference(ROOT / out)
     # A finished DAG is up to date: a rerun schedules nothing.
     again = snakemake("-n", "--config", "scale=smoke", f"outdir={out}")
     assert "Nothing to be done" in again.stdout + again.stderr
+    # An edit of README.md reruns nothing; an edit of the library reruns every cell and every claim after them.
+    readme = ROOT / "README.md"
+    original = readme.read_bytes()
+    try:
+        readme.write_bytes(original + b"\nA line.\n")
+        assert "Nothing to be done" in snakemake("-n", "--config", "scale=smoke", f"outdir={out}").stdout
+    finally:
+        readme.write_bytes(original)
+    package = tmp_path / "edited" / "kvcert"
+    shutil.copytree(ROOT / "src" / "kvcert", package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "estimator.py").write_text((package / "estimator.py").read_text() + "\n# an edit\n")
+    edited = subprocess.run([str(BIN / "snakemake"), "-n", "--config", "scale=smoke", f"outdir={out}"], cwd=ROOT,
+                            env={**ENV, "PYTHONPATH": str(package.parent)}, capture_output=True, text=True, timeout=600)
+    jobs = scheduled_jobs(edited)
+    assert jobs.get("cell") == 4 and jobs.get("claim") == 14, edited.stdout[-3000:]
     report = snakemake("--report", str(tmp_path / "report.html"), "--config", "scale=smoke", f"outdir={out}")
     assert report.returncode == 0, report.stderr[-2000:]
     assert (tmp_path / "report.html").stat().st_size > 10_000
