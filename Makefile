@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install model test test-fast smoke reproduce reproduce-v1 verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke
+.PHONY: install model test test-fast smoke reproduce reproduce-v1 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ reproduce: install
 ## Version 1's record: its default population under its own pre-registration (about 30 minutes on 2 cores).
 reproduce-v1: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v1
+
+## Exploratory: how the results move with the SnapKV window, pooling, recent window, head share and pi floor
+## on version 2's population (outside `all`; about 45 minutes on 2 cores).
+sensitivity: install
+	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=sensitivity
 
 ## Recompute every committed study into results/verify and compare its tables with the committed ones byte
 ## for byte (a changed number is a reviewed diff, never a surprise).

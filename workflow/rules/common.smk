@@ -73,6 +73,8 @@ def _expand_matrix(scale):
 def _studies(scale):
     """{study: {"prereg": version, "cells": {cell: spec}, "source": study whose cells it reads, "archived"}}."""
     if "studies" not in scale:
+        if not scale.get("cells") and not scale.get("matrix"):
+            return {}  # an exploratory-only scale
         version = int(scale.get("prereg", 1))
         return {f"v{version}": {"prereg": version, "cells": _expand_matrix(scale), "source": f"v{version}",
                                 "archived": False}}

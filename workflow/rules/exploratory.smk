@@ -8,8 +8,8 @@ EXPLORATORY_OUTPUTS = [path for name in EXPLORATORY
 
 rule sensitivity_table:
     input:
-        items=lambda wc: [f"{d}/items.parquet" for d in cell_dirs(wc.name)],
-        steps=lambda wc: [f"{d}/steps.parquet" for d in cell_dirs(wc.name)],
+        item_tables=lambda wc: [f"{d}/items.parquet" for d in cell_dirs(wc.name)],
+        step_tables=lambda wc: [f"{d}/steps.parquet" for d in cell_dirs(wc.name)],
     output:
         table=f"{OUT}/{{name}}/{{name}}.csv",
         png=report(f"{FIG}/{{name}}.png", category="Exploratory"),
