@@ -72,3 +72,27 @@ def test_weighted_auc_equals_the_mann_whitney_auc_of_the_expanded_sample():
         mw = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (len(pos) * len(neg))
         assert abs(ours[b] - mw) <= 1e-12
     assert np.isnan(amendment2.weighted_auc(scores, np.zeros(40, bool), weights[:1]))[0]
+
+
+def _scale_counts(scale: str, study: str) -> dict:
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "workflow" / "scales" / f"{scale}.yaml").read_text())
+    counts: dict = {}
+    for name, cell in doc["studies"][study]["cells"].items():
+        kind, model = name.split("-", 1)
+        n = next(int(o.split("=", 1)[1]) for o in cell["overrides"] if o.startswith("n_items="))
+        counts.setdefault(model, {})[{"qa": "question_aware", "oracle": "oracle", "streaming": "streaming"}[kind]] = n
+    return counts
+
+
+@pytest.mark.parametrize("scale, study, design", [("default", "v2", "reproduce_90_minutes"),
+                                                  ("v2-full", "v2-full", "reproduce_full")])
+def test_the_scales_run_the_locked_design(scale, study, design):
+    """The workflow's scale files run exactly the item counts the locked amendment states."""
+    amendment = prereg.load_amendment(ROOT, 2)
+    expected = {m: v for m, v in amendment["design"][design].items() if m != "pooled"}
+    assert _scale_counts(scale, study) == expected
+    pooled = amendment["design"][design]["pooled"]
+    assert pooled["question_aware_items"] == sum(v["question_aware"] + v["oracle"] for v in expected.values())
+    assert pooled["streaming_items"] == sum(v["streaming"] for v in expected.values())

@@ -59,7 +59,9 @@ class Version:
 VERSIONS = {
     1: Version(1, CLAIMS_FILE, LOCK_FILE, FROZEN_FILES, RENDERED_FILE),
     2: Version(2, AMENDMENT_2, f"{PREREG_DIR}/amendment-2.lock",
-               (*FROZEN_FILES, AMENDMENT_2, f"{PREREG_DIR}/amendment-2/pilot.csv", "src/kvcert/analysis/amendment2.py"),
+               (*FROZEN_FILES, AMENDMENT_2, f"{PREREG_DIR}/amendment-2/pilot.csv",
+                f"{PREREG_DIR}/amendment-2/power-90-minutes.yaml", f"{PREREG_DIR}/amendment-2/power-full.yaml",
+                "src/kvcert/analysis/amendment2.py"),
                f"{PREREG_DIR}/PREREGISTRATION-AMENDMENT-2.md"),
 }
 LATEST = max(VERSIONS)
@@ -236,8 +238,7 @@ def render_amendment(doc: dict, number: int) -> str:
                     lines.append(f"{pad}- **{key}**: {_fmt(item)}")
             return lines
         if isinstance(value, list):
-            return [line for item in value for line in (block(item, depth) if isinstance(item, dict)
-                                                        else [f"{pad}- {_fmt(item)}"])]
+            return [f"{pad}- {_fmt(item)}" for item in value]
         return [f"{pad}{_fmt(value)}"]
 
     for key in AMENDMENT_KEYS[2:]:
