@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install model test test-fast smoke reproduce reproduce-v1 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke
+.PHONY: install model test test-fast smoke smoke-reference reproduce reproduce-v1 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ test-fast: install
 ## All seven claims end to end on a handful of items (minutes on 2 cores).
 smoke: install
 	$(SNAKEMAKE) --cores $(CORES) --config scale=smoke --rerun-incomplete
+
+## After an intended change of numbers: make the fresh smoke tables the reference CI compares with.
+smoke-reference: smoke
+	mkdir -p results/smoke-reference
+	cp results/smoke/claims.csv results/smoke/reproduction.csv results/smoke-reference/
+	$(BIN)/python -c "import json; from kvcert.provenance import numeric_platform; print(json.dumps(numeric_platform(), indent=2))" > results/smoke-reference/platform.json
 
 ## The default scale: what the committed results come from (version 2's study, computed; version 1's, read
 ## from its committed results). At most 90 minutes on 2 cores.

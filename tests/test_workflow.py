@@ -9,7 +9,6 @@ README.md nothing.
 
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+
+from kvcert.provenance import numeric_platform
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -31,15 +32,6 @@ def snakemake(*args, timeout=1800):
 
 
 REFERENCE = ROOT / "results" / "smoke-reference"
-
-
-def numeric_platform() -> dict:
-    """What decides the float rounding of a run: CPU instruction set torch dispatches to, and versions."""
-    import torch
-    import transformers
-
-    return {"machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def compare_with_reference(out: Path) -> None:

@@ -107,9 +107,20 @@ def source_checkout(package: Path = PACKAGE) -> dict:
     return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()), "reason": None}
 
 
+def numeric_platform() -> dict:
+    """What decides float rounding besides the code: the machine, the CPU instruction set torch dispatches its
+    kernels to, and the torch and transformers versions. Two runs on equal platforms give equal bytes."""
+    import platform
+
+    import torch
+
+    return {"machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "transformers": _version("transformers")}
+
+
 def short(fingerprint: str | None) -> str:
     """The first 12 hex digits (what messages show)."""
     return (fingerprint or "unknown")[:12]
 
 
-__all__ = ["analysis_fingerprint", "code_fingerprint", "sha256_file", "short", "source_checkout"]
+__all__ = ["analysis_fingerprint", "code_fingerprint", "numeric_platform", "sha256_file", "short", "source_checkout"]
