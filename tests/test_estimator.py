@@ -1,4 +1,4 @@
-"""``hajek_attention`` and ``certificate`` against an independent float64 reference (DESIGN §1).
+"""``hajek_attention`` and ``certificate`` against an independent float64 reference (docs/METHOD.md).
 
 The reference below is written from the formulas, one attention row at a time:
     w_i = exp(q·k_i · scale), S = retained slots (finite log π), π_i = exp(log π_i),

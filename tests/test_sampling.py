@@ -1,4 +1,4 @@
-"""The inclusion-probability contract and Poisson sampling (DESIGN §1)."""
+"""The inclusion-probability contract and Poisson sampling (docs/METHOD.md)."""
 
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from kvcert.atomic import write_text_atomic
+
 PREAMBLE_MARK = "snakemake preamble start"
 
 
@@ -44,9 +46,7 @@ def publish(raw: Path, target: Path, inputs: dict, outputs: list, rule: str) -> 
     leaks = sorted({p for p in (str(Path.cwd().resolve()), os.path.expanduser("~"), sys.prefix) if p and p in text})
     if leaks:
         raise SystemExit(f"{raw}: the published notebook would still contain the absolute path(s) {leaks}")
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, target)
+    write_text_atomic(text, target)
 
 
 if __name__ == "__main__":  # run by Snakemake's script directive

@@ -11,7 +11,6 @@ descriptive numbers, not the pre-registered tests.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import matplotlib
@@ -20,6 +19,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+
+from kvcert.analysis.figures import REPRODUCIBLE  # noqa: E402
+from kvcert.atomic import atomic_output, write_text_atomic  # noqa: E402
 
 DELTA = 0.05
 N_BOOT = 1000
@@ -93,11 +95,9 @@ def figure(table: pd.DataFrame, knobs: dict, png: Path, pdf: Path) -> None:
         ax.legend(fontsize=6)
     fig.suptitle("Exploratory: sensitivity to one knob at a time (SnapKV score)")
     fig.tight_layout()
-    for target, ext, meta in ((png, "png", {"Software": None}),
-                              (pdf, "pdf", {"CreationDate": None, "Producer": None, "Creator": None})):
-        tmp = target.with_name(f".{target.name}.tmp")
-        fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight", metadata=meta)
-        os.replace(tmp, target)
+    for target, ext in ((png, "png"), (pdf, "pdf")):
+        with atomic_output(target) as tmp:
+            fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight", metadata=REPRODUCIBLE[ext])
     plt.close(fig)
 
 
@@ -110,9 +110,7 @@ def main(cells: dict, knobs: dict, baseline: str, table_path: Path, png: Path, p
                 rows.append({**row, "order": order})
     table = pd.DataFrame(rows)
     figure(table, knobs, png, pdf)
-    tmp = table_path.with_name(f".{table_path.name}.tmp")
-    table[COLUMNS].round(6).to_csv(tmp, index=False)
-    os.replace(tmp, table_path)
+    write_text_atomic(table[COLUMNS].round(6).to_csv(index=False), table_path)
 
 
 if __name__ == "__main__":  # run by Snakemake's script directive

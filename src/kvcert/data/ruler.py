@@ -24,7 +24,7 @@ Needle formats (``needle_format``):
 
 - ``passkey`` (default): "The {label} pass key is {5 digits}." and the question
   "What is the {label} pass key?" with answer prefix " The {label} pass key is". This is
-  the format a 135M model can partly solve (see the project's facts file), so that the
+  the format a 135M model can partly solve, so that the
   full cache gives a mix of right and wrong answers.
 - ``ruler``: RULER's own "One of the special magic numbers for {adjective-noun} is: {7 digits}."
   and "What are all the special magic numbers for ... mentioned in the provided text?".
