@@ -78,3 +78,39 @@ def test_render_check_and_find_root(repo, monkeypatch):
     assert prereg.main(["--root", str(repo), "render", "--check"]) == 1
     monkeypatch.chdir(repo / "src" / "kvcert")
     assert prereg.find_root() == repo.resolve()
+
+
+def test_the_committed_locks_verify_and_the_amendment_render_is_current():
+    prereg.verify_lock(ROOT, prereg.LATEST)
+    assert (ROOT / prereg.VERSIONS[2].rendered).read_text() == prereg.render_amendment(prereg.load_amendment(ROOT, 2), 2)
+
+
+def test_an_amendment_is_locked_on_top_of_version_1_and_verified_with_it(repo):
+    shutil.copy(ROOT / "src" / "kvcert" / "analysis" / "amendment2.py", repo / "src" / "kvcert" / "analysis")
+    (repo / prereg.VERSIONS[2].lock).unlink(missing_ok=True)
+    with pytest.raises(PreregistrationError, match="prereg.lock is missing"):
+        prereg.write_lock(repo, number=2)  # version 1 must be locked first
+    prereg.write_lock(repo)
+    with pytest.raises(PreregistrationError, match="amendment-2.lock is missing: .*kvcert-prereg lock --amendment 2"):
+        prereg.verify_lock(repo, 2)
+    prereg.write_lock(repo, number=2)
+    prereg.verify_lock(repo, 2)
+    with pytest.raises(PreregistrationError, match="amendment-2.lock already exists"):
+        prereg.write_lock(repo, number=2)
+    pilot = repo / "preregistration" / "amendment-2" / "pilot.csv"
+    pilot.write_text(pilot.read_text() + "1,smollm2,retrieval,extra,30,30,1.0,True,False,7.0,1024\n")
+    with pytest.raises(PreregistrationError, match="amendment-2/pilot.csv changed since the lock"):
+        prereg.verify_lock(repo, 2)
+    prereg.verify_lock(repo, 1)  # version 1's record does not depend on the amendment
+
+
+def test_verify_cli_checks_every_lock(repo, capsys):
+    shutil.copy(ROOT / "src" / "kvcert" / "analysis" / "amendment2.py", repo / "src" / "kvcert" / "analysis")
+    (repo / prereg.VERSIONS[2].lock).unlink(missing_ok=True)
+    prereg.write_lock(repo)
+    assert prereg.main(["--root", str(repo), "verify"]) == 1  # the amendment exists but is not locked
+    assert "amendment-2.lock is missing" in capsys.readouterr().err
+    prereg.write_lock(repo, number=2)
+    assert prereg.main(["--root", str(repo), "verify"]) == 0
+    out = capsys.readouterr().out
+    assert "version 1 lock OK" in out and "version 2 lock OK" in out

@@ -174,15 +174,20 @@ def verify_lock(root: str | Path, number: int = 1) -> None:
 # --- claims.yaml ---------------------------------------------------------------------------------
 
 
+def _read_yaml(root: str | Path, rel: str):
+    """The parsed YAML document ``root/rel``; a missing file or a syntax error is a one-line AnalysisError."""
+    path = Path(root) / rel
+    if not path.is_file():
+        raise AnalysisError(f"{rel} is missing under {Path(root)}")
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise AnalysisError(f"{rel}: not valid YAML ({str(exc).splitlines()[0]})") from None
+
+
 def load_claims(root: str | Path) -> dict:
     """Parse and check claims.yaml; errors name the claim and key."""
-    path = Path(root) / CLAIMS_FILE
-    if not path.is_file():
-        raise AnalysisError(f"{CLAIMS_FILE} is missing under {Path(root)}")
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise AnalysisError(f"{CLAIMS_FILE}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    doc = _read_yaml(root, CLAIMS_FILE)
     if not isinstance(doc, dict) or not isinstance(doc.get("claims"), list) or "conventions" not in doc:
         raise AnalysisError(f"{CLAIMS_FILE}: needs top-level 'conventions' and a 'claims' list")
     seen = set()
@@ -207,13 +212,7 @@ AMENDMENT_KEYS = ("version", "date", "amends", "why", "unchanged", "changes", "p
 def load_amendment(root: str | Path, number: int) -> dict:
     """Parse and check an amendment document; errors name the file and key."""
     rel = version(number).document
-    path = Path(root) / rel
-    if not path.is_file():
-        raise AnalysisError(f"{rel} is missing under {Path(root)}")
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise AnalysisError(f"{rel}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    doc = _read_yaml(root, rel)
     missing = [k for k in AMENDMENT_KEYS if not isinstance(doc, dict) or k not in doc]
     if missing:
         raise AnalysisError(f"{rel}: lacks key(s) {', '.join(missing)}")
