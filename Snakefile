@@ -12,6 +12,7 @@ include: "workflow/rules/cells.smk"
 include: "workflow/rules/claims.smk"
 include: "workflow/rules/tables.smk"
 include: "workflow/rules/notebooks.smk"
+include: "workflow/rules/calibration.smk"
 
 
 rule all:
@@ -20,6 +21,7 @@ rule all:
         TABLES,
         CLAIM_FIGURES,
         NOTEBOOKS,
+        CALIBRATION_OUTPUTS,
 
 
 onerror:
