@@ -89,7 +89,7 @@ def design_knobs(options: DesignOptions = DesignOptions(), *, delta: float = def
             "policy_options": json.loads(json.dumps(dict(policy_options or {}), sort_keys=True))}
 
 
-def _knob_label(name: str) -> str:
+def knob_label(name: str) -> str:
     return f"design_options.{name}" if name in ("n_sink", "n_recent", "head_fraction", "pi_min") else name
 
 
@@ -251,7 +251,7 @@ class Calibration:
                     if isinstance(mine, (int, float)) and isinstance(theirs, (int, float)) else mine == theirs)
             if not same:
                 raise CalibrationError(
-                    f"calibration={self.source}: {_knob_label(name)}={theirs} here but {mine} in the file: the factors "
+                    f"calibration={self.source}: {knob_label(name)}={theirs} here but {mine} in the file: the factors "
                     f"hold for the design they were fitted with; refit with kvcert-calibrate or use the file's value")
 
     def stratum(self, setting: str, policy: str, design: str, budget: float) -> dict:
@@ -485,6 +485,6 @@ def _spearman(spearmanr, x: np.ndarray, y: np.ndarray) -> float:
 __all__ = [
     "BASES", "BY_LAYER_KEYS", "Calibration", "DESIGN", "DESIGN_Z", "FORMAT", "METHODS", "UNITS", "VERSION",
     "apply_calibration", "by_layer", "calibrated_certificate", "calibration_summary", "conformal_quantile",
-    "design_factor", "design_knobs", "fit_calibration", "load_calibration", "minimum_prompts", "model_identity",
+    "design_factor", "design_knobs", "fit_calibration", "knob_label", "load_calibration", "minimum_prompts", "model_identity",
     "prepare_calibration", "wilson_interval",
 ]

@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 from ..atomic import unwritable_reason
-from ..calibration import (BASES, UNITS, Calibration, design_knobs, fit_calibration, minimum_prompts,
+from ..calibration import (BASES, UNITS, Calibration, design_knobs, fit_calibration, knob_label, minimum_prompts,
                            model_identity)
 from ..errors import ConfigError, UsageError
 from ..hydra_app import CONF_DIR, compose_or_show, did_you_mean, missing_keys, one_line
@@ -170,7 +170,7 @@ def _fit_from_cells(cfg, options: dict):
             continue
         for key, value in here.items():
             if value != first[1][key]:
-                raise ConfigError(f"{path}: {key}={value} but {first[0]} has {first[1][key]}; "
+                raise ConfigError(f"{path}: {knob_label(key)}={value} but {first[0]} has {first[1][key]}; "
                                   "cells of one calibration must share the model and the design's knobs")
     return tables, first[2], first[3]
 
