@@ -157,14 +157,14 @@ KNOBS = design_knobs(DesignOptions(), delta=0.05, observation_window=16)
 def test_fit_gives_one_factor_per_layer_and_stratum_that_is_the_conformal_quantile():
     steps = _steps()
     cal = fit_calibration(steps, model=MODEL, design=KNOBS)
-    assert cal.level == pytest.approx(0.95) and cal.method == "conformal"
+    assert cal.level == pytest.approx(0.975) and cal.method == "conformal"  # the default: 1 − δ/2
     assert sorted(cal.strata) == [("question_aware", "snapkv", "poisson", "0.25"), ("question_aware", "snapkv", "poisson", "0.5")]
     stratum = cal.strata[("question_aware", "snapkv", "poisson", "0.25")]
     rows = steps[steps["budget"] == 0.25]
     for layer in range(3):
         sub = rows[rows["layer"] == layer]
         ratio = np.sort((sub["true_err"] / sub["cert"]).to_numpy())
-        assert stratum["factors"][layer] == pytest.approx(ratio[math.ceil((len(ratio) + 1) * 0.95) - 1])
+        assert stratum["factors"][layer] == pytest.approx(ratio[math.ceil((len(ratio) + 1) * 0.975) - 1])
         assert stratum["rows"][layer] == len(sub)
     assert stratum["factors"][1] > 5 * stratum["factors"][0]  # the bad layer needs a larger factor
 
@@ -233,13 +233,16 @@ def test_another_model_other_knobs_or_a_missing_stratum_are_refused():
 
 
 def test_fit_refuses_what_it_cannot_fit():
-    steps = _steps(items=10)
-    with pytest.raises(CalibrationError, match="10 calibration prompts .* unit=prompt at level=0.95 needs at least 19"):
+    steps = _steps(items=24)
+    with pytest.raises(CalibrationError, match="24 calibration prompts .* unit=prompt at level=0.975 needs at least 39"):
         fit_calibration(steps, model=MODEL, design=KNOBS, unit="prompt")
+    fit_calibration(steps, model=MODEL, design=KNOBS, unit="prompt", level=0.95)  # 24 >= 19
+    with pytest.raises(CalibrationError, match="10 calibration prompts .* unit=row at level=0.975 needs at least 19"):
+        fit_calibration(_steps(items=10), model=MODEL, design=KNOBS)
     with pytest.raises(CalibrationError, match="no step rows with both a certificate and a true error"):
         fit_calibration(steps.assign(true_err=np.nan), model=MODEL, design=KNOBS)
-    with pytest.raises(CalibrationError, match="too few for a finite quantile at level=0.999"):
-        fit_calibration(_steps(items=2), model=MODEL, design=KNOBS, level=0.999)
+    with pytest.raises(CalibrationError, match="has 192 calibration rows, too few for a finite quantile at level=0.999"):
+        fit_calibration(steps, model=MODEL, design=KNOBS, level=0.999)
 
 
 # --- applying ----------------------------------------------------------------------------------------------

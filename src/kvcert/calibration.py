@@ -113,6 +113,24 @@ def minimum_prompts(level: float) -> int:
     return math.ceil(level / (1.0 - level) - 1e-9)
 
 
+def default_level(delta: float) -> float:
+    """The level a calibration aims at unless told otherwise: 1 − δ/2.
+
+    Conformal coverage at level L is L in expectation over calibration sets; the coverage of one fitted file
+    scatters around it (tens of prompts, whose rows move together), and over the tens of layers of a model the
+    worst one falls about 0.02 below L (measured: README, *Calibrated certificates*). Aiming at 1 − δ/2 keeps
+    every layer's held-out coverage above 1 − δ − 0.01.
+    """
+    return 1.0 - float(delta) / 2.0
+
+
+def needed_prompts(level: float, unit: str, delta: float) -> int:
+    """The fewest calibration prompts a fit accepts: with ``unit=prompt``, those that make its quantile finite
+    (``minimum_prompts(level)``); with ``unit=row``, those with which even the prompt-level quantile at 1 − δ
+    would be (19 at δ = 0.05), so that no calibration rests on a handful of prompts."""
+    return minimum_prompts(level if unit == "prompt" else 1.0 - float(delta))
+
+
 def conformal_quantile(scores: np.ndarray, level: float, groups: np.ndarray | None = None) -> float:
     """The split-conformal quantile of ``scores`` at ``level`` (+inf when the data cannot give one).
 
@@ -287,7 +305,7 @@ def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, lev
     """Per-layer conformal factors from oracle step rows (``KEY_COLUMNS`` + ``STEP_COLUMNS``).
 
     One stratum per (setting, policy, design, budget) with a certificate; within it, one factor per layer
-    (``model["num_layers"]`` of them): the conformal quantile at ``level`` (default 1 − δ) of
+    (``model["num_layers"]`` of them): the conformal quantile at ``level`` (default ``default_level``) of
     ‖ô − o‖ / base, base = ε̂ (``paper``) or ε̂ · ``design_factor`` (``design``); groups are items when
     ``unit`` is ``prompt``. Rows without a true error (oracle off) or without a certificate are ignored.
     """
@@ -295,7 +313,7 @@ def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, lev
         raise CalibrationError(f"base={base!r} is unknown; known: {list(BASES)}")
     if unit not in UNITS:
         raise CalibrationError(f"unit={unit!r} is unknown; known: {list(UNITS)}")
-    level = 1.0 - float(design["delta"]) if level is None else float(level)
+    level = default_level(design["delta"]) if level is None else float(level)
     if not 0.0 < level < 1.0:
         raise CalibrationError(f"level={level}: must lie in (0, 1)")
     rows = steps[np.isfinite(steps["cert"].to_numpy(float)) & np.isfinite(steps["true_err"].to_numpy(float))]
@@ -309,10 +327,11 @@ def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, lev
         setting, policy, design_name, budget = key
         sub = rows.iloc[index]
         items = sub["item_id"].to_numpy()
-        if unit == "prompt" and len(np.unique(items)) < minimum_prompts(level):
+        need = needed_prompts(level, unit, design["delta"])
+        if len(np.unique(items)) < need:
             raise CalibrationError(
                 f"{len(np.unique(items))} calibration prompts for setting={setting} policy={policy} budget={budget:g}: "
-                f"unit=prompt at level={level:g} needs at least {minimum_prompts(level)}")
+                f"unit={unit} at level={level:g} needs at least {need}")
         layers = sub["layer"].to_numpy(int)
         factors, counts = [], []
         for layer in range(n_layers):
@@ -485,6 +504,6 @@ def _spearman(spearmanr, x: np.ndarray, y: np.ndarray) -> float:
 __all__ = [
     "BASES", "BY_LAYER_KEYS", "Calibration", "DESIGN", "DESIGN_Z", "FORMAT", "METHODS", "UNITS", "VERSION",
     "apply_calibration", "by_layer", "calibrated_certificate", "calibration_summary", "conformal_quantile",
-    "design_factor", "design_knobs", "fit_calibration", "knob_label", "load_calibration", "minimum_prompts", "model_identity",
+    "default_level", "design_factor", "design_knobs", "fit_calibration", "needed_prompts", "knob_label", "load_calibration", "minimum_prompts", "model_identity",
     "prepare_calibration", "wilson_interval",
 ]

@@ -21,8 +21,8 @@ import traceback
 from pathlib import Path
 
 from ..atomic import unwritable_reason
-from ..calibration import (BASES, UNITS, Calibration, design_knobs, fit_calibration, knob_label, minimum_prompts,
-                           model_identity)
+from ..calibration import (BASES, UNITS, Calibration, default_level, design_knobs, fit_calibration, knob_label,
+                           model_identity, needed_prompts)
 from ..errors import ConfigError, UsageError
 from ..hydra_app import CONF_DIR, compose_or_show, did_you_mean, missing_keys, one_line
 from ..models import ModelSpec, load_model, model_fingerprint
@@ -111,10 +111,11 @@ def _fit_from_run(cfg, options: dict, out: Path):
     spec = ModelSpec.parse(OmegaConf.to_container(run_cfg.model, resolve=True))
     data_cfg = OmegaConf.to_container(run_cfg.data, resolve=True)
     n_prompts = len(load_items(data_cfg.get("name"), data_cfg, load_tokenizer(spec), cell.n_items)[cell.shard::cell.n_shards])
-    need = minimum_prompts(options["level"] or 1.0 - cell.delta)
+    level = options["level"] or default_level(cell.delta)
+    need = needed_prompts(level, options["unit"], cell.delta)
     if n_prompts < need:
         raise ConfigError(f"n_items={cell.n_items}: shard {cell.shard} of {cell.n_shards} gives {n_prompts} calibration "
-                          f"prompts; a per-layer factor at level {options['level'] or 1.0 - cell.delta:g} needs at least {need}")
+                          f"prompts; unit={options['unit']} at level {level:g} needs at least {need}")
     keep = cfg.get("out_dir")
     work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix=f".{out.name}.cell-", dir=out.parent))
     try:
