@@ -104,13 +104,92 @@ def summarize(steps: pd.DataFrame, certs: dict[str, np.ndarray], model: str) -> 
     return pd.DataFrame(summary), pd.DataFrame(layers)
 
 
+README_METHODS = {"paper": "ε̂ (paper)", "design z=2": "design-based", "conformal row 0.95": "conformal, level 0.95",
+                  "conformal row 0.975": "conformal, level 0.975 (default)"}
+
+
+def markdown(summary: pd.DataFrame) -> str:
+    """The README's trade-off table: per model, setting and π, each certificate's worst layer per budget, the
+    layers below the target, and ranges over budgets of the median width (× the paper's) and pooled Spearman."""
+    lines = ["| model | setting | π | certificate | worst layer at 0.1 / 0.25 / 0.5 / 0.75 | layers < 0.94 | "
+             "median width × ε̂ | Spearman, pooled (ε̂: ) |", "|---|---|---|---|---|---|---|---|"]
+    for (model, setting, policy), group in summary.groupby(["model", "setting", "policy"], sort=False):
+        for method, label in README_METHODS.items():
+            rows = group[group["method"] == method].sort_values("budget")
+            if rows.empty:
+                continue
+            worst = " / ".join(f"{v:.2f}" for v in rows["worst_layer_coverage"])
+            below = " / ".join(str(int(v)) for v in rows["layers_below_target"])
+            width = f"{rows['median_width_ratio'].min():.2f}–{rows['median_width_ratio'].max():.2f}"
+            rho = f"{rows['spearman'].min():.2f}–{rows['spearman'].max():.2f}"
+            flat = "flat (uniform)" if policy == "uniform" else policy
+            lines.append(f"| {model} | {setting} | {flat} | {label} | {worst} | {below} | {width} | {rho} |")
+    return "\n".join(lines).replace("Spearman, pooled (ε̂: )", "Spearman, pooled")
+
+
+def tradeoff_figure(summary: pd.DataFrame, path: Path) -> None:
+    """Worst-layer coverage against median width (× ε̂) for every certificate, one panel per model and π;
+    conformal levels joined into a curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(summary.groupby(["model", "policy"], sort=True).groups)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (model, policy) in zip(axes[0], panels):
+        group = summary[(summary["model"] == model) & (summary["policy"] == policy)]
+        for (setting, budget), rows in group.groupby(["setting", "budget"]):
+            label = f"{setting} {budget:g}"
+            curve = rows[rows["method"].str.fullmatch(r"conformal row [0-9.]+")].sort_values("median_width_ratio")
+            line, = ax.plot(curve["median_width_ratio"], curve["worst_layer_coverage"], marker="o", markersize=3,
+                            linewidth=1, label=label)
+            for method, marker in (("paper", "x"), ("design z=2", "^")):
+                point = rows[rows["method"] == method]
+                ax.plot(point["median_width_ratio"], point["worst_layer_coverage"], marker=marker, linestyle="none",
+                        color=line.get_color())
+        ax.axhline(TARGET, color="black", linestyle="--", linewidth=0.8)
+        ax.axvline(1.5, color="0.5", linestyle=":", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("median width / median ε̂")
+        ax.set_ylabel("coverage of the worst layer")
+        ax.set_title(f"{model}, π from {policy}", fontsize=9)
+        ax.legend(fontsize=6, loc="lower right")
+    fig.suptitle("Held-out worst-layer coverage vs width: conformal levels 0.9-0.99 (lines), ε̂ (x), design-based (^)",
+                 fontsize=9)
+    fig.tight_layout()
+    try:
+        for target, ext, meta in ((path, "png", {"Software": None}),
+                                  (path.with_suffix(".pdf"), "pdf", {"CreationDate": None, "Producer": None, "Creator": None})):
+            with atomic_output(target) as tmp:
+                fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight", metadata=meta)
+    finally:
+        plt.close(fig)
+
+
+def combine(out_dir: Path) -> None:
+    """The README's table and trade-off figure from every ``study-<model>.csv`` in ``out_dir``."""
+    frames = [pd.read_csv(p) for p in sorted(out_dir.glob("study-*.csv")) if not p.stem.endswith("by-layer")]
+    summary = pd.concat(frames, ignore_index=True)
+    with atomic_output(out_dir / "tradeoff.md") as tmp:
+        tmp.write_text(markdown(summary) + "\n")
+    tradeoff_figure(summary, out_dir / "tradeoff.png")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cells", nargs="+", required=True)
-    parser.add_argument("--model", required=True, help="label of the model in the tables")
+    parser.add_argument("--cells", nargs="+")
+    parser.add_argument("--model", help="label of the model in the tables")
+    parser.add_argument("--combine", action="store_true",
+                        help="only combine the study-*.csv in --out-dir into tradeoff.md and tradeoff.png")
     parser.add_argument("--folds", type=int, default=0, help="folds over items (0: as many as leave 20 items to fit)")
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args(argv)
+    if args.combine:
+        combine(Path(args.out_dir))
+        return 0
+    if not args.cells or not args.model:
+        parser.error("--cells and --model are required (or --combine)")
 
     steps = read_steps(args.cells)
     n_items = steps.groupby(["setting"])["item_id"].nunique().min()
