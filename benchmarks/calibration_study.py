@@ -29,30 +29,36 @@ DELTA = 0.05
 KEYS = ["setting", "policy", "budget"]
 
 
+DEFAULT = "conformal 0.975"  # the shipped default: kvcert.calibration.default_level(0.05), unit=row, relative term
+
+
 def read_steps(cells: list[str]) -> pd.DataFrame:
-    """Step rows with a certificate and a true error from finished or running cells."""
+    """Step rows with a certificate and a true error from finished or running cells (``cell``: its index)."""
     frames = []
-    for cell in map(Path, cells):
+    for i, cell in enumerate(map(Path, cells)):
         files = [cell / "steps.parquet"] if (cell / "steps.parquet").is_file() else sorted(
             (cell / ".parts").glob("*.steps.parquet"))
-        frames += [pd.read_parquet(f) for f in files]
+        frames += [pd.read_parquet(f).assign(cell=i) for f in files]
     steps = pd.concat(frames, ignore_index=True)
     steps = steps[np.isfinite(steps["cert"]) & np.isfinite(steps["true_err"])].reset_index(drop=True)
     return steps
 
 
 def methods(has_tail_ess: bool) -> dict[str, dict | None]:
-    """name -> fit options (None: no fitting). Levels 0.9-0.99 trace the conformal trade-off curve."""
+    """name -> fit options (None: no fitting). "conformal L": the default family (per-layer base ε̂ + τ‖ô‖,
+    row unit) at level L, whose levels 0.9-0.99 trace the trade-off curve; "× ε̂" variants scale ε̂ alone."""
     out: dict[str, dict | None] = {"paper": None}
     if has_tail_ess:
         out["design z=1"] = None
         out["design z=2"] = None
     for level in (0.9, 0.95, 0.975, 0.99):
-        out[f"conformal row {level:g}"] = {"level": level, "unit": "row", "base": "paper"}
-    out["conformal prompt 0.95"] = {"level": 0.95, "unit": "prompt", "base": "paper"}
-    out["conformal row 0.95 pooled budgets"] = {"level": 0.95, "unit": "row", "base": "paper", "pool": True}
+        out[f"conformal {level:g}"] = {"level": level}
+    for level in (0.95, 0.975):
+        out[f"conformal {level:g} × ε̂"] = {"level": level, "relative_term": False}
+    out["conformal 0.95 prompt unit"] = {"level": 0.95, "unit": "prompt"}
+    out["conformal 0.975 pooled budgets"] = {"level": 0.975, "pool": True}
     if has_tail_ess:
-        out["conformal row 0.95 on design"] = {"level": 0.95, "unit": "row", "base": "design"}
+        out["conformal 0.975 on design"] = {"level": 0.975, "base": "design"}
     return out
 
 
@@ -68,7 +74,8 @@ def cross_fit(steps: pd.DataFrame, folds: int, options: dict) -> np.ndarray:
     for k in range(folds):
         train, test = fold != k, fold == k
         cal = fit_calibration(fit_rows[train], model={"num_layers": n_layers}, design={"delta": DELTA},
-                              level=options["level"], unit=options["unit"], base=options["base"])
+                              level=options["level"], unit=options.get("unit", "row"),
+                              base=options.get("base", "paper"), relative_term=options.get("relative_term", True))
         held = fit_rows[test]
         for key, index in held.groupby(["setting", "policy", "design", "budget"]).indices.items():
             rows = held.iloc[index]
@@ -104,8 +111,8 @@ def summarize(steps: pd.DataFrame, certs: dict[str, np.ndarray], model: str) -> 
     return pd.DataFrame(summary), pd.DataFrame(layers)
 
 
-README_METHODS = {"paper": "ε̂ (paper)", "design z=2": "design-based", "conformal row 0.95": "conformal, level 0.95",
-                  "conformal row 0.975": "conformal, level 0.975 (default)"}
+README_METHODS = {"paper": "ε̂ (paper)", "design z=2": "design-based", "conformal 0.975 × ε̂": "conformal × ε̂, 0.975",
+                  "conformal 0.95": "conformal, 0.95", "conformal 0.975": "conformal, 0.975 (default)"}
 
 
 def markdown(summary: pd.DataFrame) -> str:
@@ -141,7 +148,7 @@ def tradeoff_figure(summary: pd.DataFrame, path: Path) -> None:
         group = summary[(summary["model"] == model) & (summary["policy"] == policy)]
         for (setting, budget), rows in group.groupby(["setting", "budget"]):
             label = f"{setting} {budget:g}"
-            curve = rows[rows["method"].str.fullmatch(r"conformal row [0-9.]+")].sort_values("median_width_ratio")
+            curve = rows[rows["method"].str.fullmatch(r"conformal [0-9.]+")].sort_values("median_width_ratio")
             line, = ax.plot(curve["median_width_ratio"], curve["worst_layer_coverage"], marker="o", markersize=3,
                             linewidth=1, label=label)
             for method, marker in (("paper", "x"), ("design z=2", "^")):
@@ -176,10 +183,29 @@ def combine(out_dir: Path) -> None:
     tradeoff_figure(summary, out_dir / "tradeoff.png")
 
 
+def write_cells(steps: pd.DataFrame, calibrated: np.ndarray, cells: list[str], root: Path) -> None:
+    """Each input cell's oracle rows with the cross-fitted calibrated certificate, as a cell directory."""
+    import shutil
+
+    from kvcert.atomic import write_parquet_atomic
+
+    for i, cell in enumerate(map(Path, cells)):
+        mine = (steps["cell"] == i).to_numpy()
+        rows = steps[mine].drop(columns="cell").assign(cert_calibrated=calibrated[mine])
+        rows["coverage_calibrated"] = (rows["true_err"] <= rows["cert_calibrated"]).astype("float32")
+        target = root / cell.name
+        target.mkdir(parents=True, exist_ok=True)
+        write_parquet_atomic(rows, target / "steps.parquet")
+        shutil.copyfile(cell / "items.parquet", target / "items.parquet")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cells", nargs="+")
     parser.add_argument("--model", help="label of the model in the tables")
+    parser.add_argument("--write-cells", metavar="DIR",
+                        help="also write each cell's steps with the default certificate's cross-fitted cert_calibrated "
+                             "and coverage_calibrated (and its items) to DIR/<cell>, for the per-layer figure")
     parser.add_argument("--combine", action="store_true",
                         help="only combine the study-*.csv in --out-dir into tradeoff.md and tradeoff.png")
     parser.add_argument("--folds", type=int, default=0, help="folds over items (0: as many as leave 20 items to fit)")
@@ -209,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: skipped ({err})")
     summary, layers = summarize(steps, certs, args.model)
     out = Path(args.out_dir)
+    if args.write_cells:
+        write_cells(steps, certs[DEFAULT], args.cells, Path(args.write_cells))
     for frame, name in ((summary, f"study-{args.model}.csv"), (layers, f"study-{args.model}-by-layer.csv")):
         with atomic_output(out / name) as tmp:
             frame.to_csv(tmp, index=False, float_format="%.4g")

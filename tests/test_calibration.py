@@ -146,7 +146,7 @@ def _steps(seed: int = 0, items: int = 24, layers: int = 3, bad_layer: int = 1, 
                 "setting": setting, "step": np.repeat(np.arange(8), layers), "layer": layer, "kv_head": 0,
                 "trace_var": cert**2 * 0.05, "cert": cert, "true_err": err, "rel_cert": cert / norm,
                 "rel_err": err / norm, "coverage": (err <= cert).astype(float), "wald_coverage": 0.9,
-                "tail_ess": rng.uniform(1, 50, n)}))
+                "tail_ess": rng.uniform(1, 50, n), "out_norm": norm}))
     return pd.concat(frames, ignore_index=True)
 
 
@@ -154,9 +154,16 @@ MODEL = {"model_type": "llama", "num_layers": 3, "config_sha256": "c" * 64, "wei
 KNOBS = design_knobs(DesignOptions(), delta=0.05, observation_window=16)
 
 
+def _expected(stratum: dict, rows: pd.DataFrame) -> np.ndarray:
+    """The contract of a stratum: q_ℓ · (cert_weight_ℓ · ε̂ + norm_weight_ℓ · ‖ô‖) for a row of layer ℓ."""
+    layer = rows["layer"].to_numpy()
+    pick = lambda name: np.asarray(stratum[name], dtype=float)[layer]  # noqa: E731
+    return pick("factors") * (pick("cert_weights") * rows["cert"].to_numpy() + pick("norm_weights") * rows["out_norm"].to_numpy())
+
+
 def test_fit_gives_one_factor_per_layer_and_stratum_that_is_the_conformal_quantile():
     steps = _steps()
-    cal = fit_calibration(steps, model=MODEL, design=KNOBS)
+    cal = fit_calibration(steps, model=MODEL, design=KNOBS, relative_term=False)
     assert cal.level == pytest.approx(0.975) and cal.method == "conformal"  # the default: 1 − δ/2
     assert sorted(cal.strata) == [("question_aware", "snapkv", "poisson", "0.25"), ("question_aware", "snapkv", "poisson", "0.5")]
     stratum = cal.strata[("question_aware", "snapkv", "poisson", "0.25")]
@@ -167,6 +174,35 @@ def test_fit_gives_one_factor_per_layer_and_stratum_that_is_the_conformal_quanti
         assert stratum["factors"][layer] == pytest.approx(ratio[math.ceil((len(ratio) + 1) * 0.975) - 1])
         assert stratum["rows"][layer] == len(sub)
     assert stratum["factors"][1] > 5 * stratum["factors"][0]  # the bad layer needs a larger factor
+    assert stratum["cert_weights"] == [1.0] * 3 and stratum["norm_weights"] == [0.0] * 3
+
+
+def test_the_relative_term_is_picked_per_layer_where_it_narrows_the_certificate():
+    """In a layer whose error follows ‖ô‖ rather than ε̂ (ε̂ near 0 where the error is not: slots the retained
+    set never saw), the fit leans on ‖ô‖; where the error follows ε̂ it keeps ε̂'s shape. Each layer's choice
+    is the candidate with the narrowest median certificate at its own conformal quantile."""
+    rng = np.random.default_rng(5)
+    steps = _steps(seed=5, budgets=(0.25,))
+    blind = steps["layer"] == 2
+    steps.loc[blind, "cert"] = steps.loc[blind, "cert"] * 10.0 ** rng.uniform(-8, 0, int(blind.sum()))
+    steps.loc[blind, "true_err"] = 0.2 * steps.loc[blind, "out_norm"] * rng.uniform(0, 1, int(blind.sum()))
+    cal = fit_calibration(steps, model=MODEL, design=KNOBS)
+    stratum = cal.strata[("question_aware", "snapkv", "poisson", "0.25")]
+    assert (stratum["cert_weights"][0], stratum["norm_weights"][0]) == (1.0, 0.0)
+    assert stratum["norm_weights"][2] > 0 and stratum["factors"][2] < 1e3
+    from kvcert.calibration import NORM_WEIGHTS
+
+    for layer in range(3):
+        rows = steps[steps["layer"] == layer]
+        err, cert, norm = (rows[c].to_numpy() for c in ("true_err", "cert", "out_norm"))
+        widths = {}
+        for weights in [(1.0, tau) for tau in NORM_WEIGHTS] + [(0.0, 1.0)]:
+            b = weights[0] * cert + weights[1] * norm
+            q = conformal_quantile(err / b, 0.975)
+            widths[weights] = (np.median(q * b), q)
+        chosen = (stratum["cert_weights"][layer], stratum["norm_weights"][layer])
+        assert widths[chosen][0] == pytest.approx(min(w for w, _ in widths.values()))
+        assert stratum["factors"][layer] == pytest.approx(widths[chosen][1])
 
 
 def test_a_file_round_trips_and_says_what_it_is(tmp_path):
@@ -188,7 +224,8 @@ def test_a_file_round_trips_and_says_what_it_is(tmp_path):
     (lambda p: p.update(method="magic"), "method='magic' is unknown; known: ['conformal', 'design']"),
     (lambda p: p.pop("model"), "missing field 'model'"),
     (lambda p: p["strata"][0].pop("factors"), "strata[0] is malformed (KeyError"),
-    (lambda p: p["strata"][0]["factors"].__setitem__(0, -1.0), "strata[0] holds a negative factor"),
+    (lambda p: p["strata"][0]["factors"].__setitem__(0, -1.0), "strata[0] holds a negative factor or weight"),
+    (lambda p: p["strata"][0]["norm_weights"].pop(), "or lists of different lengths"),
     (lambda p: p.update(level=1.5), "level=1.5 must lie in (0, 1)"),
 ])
 def test_a_broken_file_is_refused_in_one_line_naming_it(tmp_path, edit, message):
@@ -254,8 +291,7 @@ def test_apply_multiplies_the_certificate_by_its_layer_factor_and_scores_it():
     rows = test[test["budget"] == 0.25].reset_index(drop=True)
     out = apply_calibration(cal, rows, design="poisson", policy="snapkv", budget=0.25, setting="question_aware",
                             checked=True)
-    factors = np.array(cal.strata[("question_aware", "snapkv", "poisson", "0.25")]["factors"])
-    np.testing.assert_allclose(out["cert_calibrated"], rows["cert"] * factors[rows["layer"]])
+    np.testing.assert_allclose(out["cert_calibrated"], _expected(cal.strata[("question_aware", "snapkv", "poisson", "0.25")], rows))
     np.testing.assert_array_equal(out["coverage_calibrated"], (rows["true_err"] <= out["cert_calibrated"]).astype(float))
     assert list(out.columns[: len(rows.columns)]) == list(rows.columns)  # the step columns are untouched
     # held out, the bad layer is covered near the level while the paper's certificate is not
@@ -373,8 +409,8 @@ def test_generate_adds_the_calibrated_columns_and_refuses_another_models_file_be
                                           setting="question_aware") for i in range(20)], ignore_index=True)
     cal = fit_calibration(steps, model=identity, design=design_knobs())
     fitted = kvcert.generate(model, tokenizer, **args, calibration=cal)
-    factors = np.array(cal.strata[("question_aware", "snapkv", "poisson", "0.3")]["factors"])
-    np.testing.assert_allclose(fitted.steps["cert_calibrated"], plain.steps["cert"] * factors[plain.steps["layer"]])
+    np.testing.assert_allclose(fitted.steps["cert_calibrated"],
+                               _expected(cal.strata[("question_aware", "snapkv", "poisson", "0.3")], plain.steps), rtol=1e-6)
 
     other = _tiny_llama(len(tokenizer), seed=1)
     monkeypatch.setattr(kvcert.generation, "prefill", lambda *a, **k: pytest.fail("computed before refusing"))

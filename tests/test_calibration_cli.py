@@ -81,8 +81,10 @@ def test_the_run_adds_calibrated_columns_from_the_files_factors(fitted):
     assert not evaluated & set(payload["fitted_on"]["item_ids"])  # disjoint prompts
     for stratum in payload["strata"]:
         rows = steps[(steps["policy"] == stratum["policy"]) & (steps["design"] == "poisson")]
-        factors = np.array(stratum["factors"])
-        np.testing.assert_allclose(rows["cert_calibrated"], rows["cert"] * factors[rows["layer"]], rtol=1e-6)
+        layer = rows["layer"].to_numpy()
+        pick = lambda name: np.asarray(stratum[name], dtype=float)[layer]  # noqa: E731
+        expected = pick("factors") * (pick("cert_weights") * rows["cert"] + pick("norm_weights") * rows["out_norm"])
+        np.testing.assert_allclose(rows["cert_calibrated"], expected, rtol=1e-5)
         covered = (rows["true_err"] <= rows["cert_calibrated"]).astype("float32")
         np.testing.assert_array_equal(rows["coverage_calibrated"], covered)
     topk = steps[steps["design"] == "topk"]
@@ -143,8 +145,10 @@ def test_kvcert_run_refuses_a_file_that_does_not_fit(fitted, env, tmp_path, caps
 # (id, overrides, text of the last line); {d}: a temporary directory holding a_file and an empty cell
 CALIBRATE_CASES = [
     ("no-out", ["n_items=20"], "missing value for out (set it on the command line, e.g. out=...)"),
-    ("level-above-one", ["level=2", "out={d}/c.json"], "level=2.0: must lie in (0, 1)"),
-    ("level-not-a-number", ["level=abc", "out={d}/c.json"], "level='abc': expected a number in (0, 1)"),
+    ("level-above-one", ["level=2", "out={d}/c.json"], "level=2.0: must be <= 1.0"),
+    ("level-one", ["level=1", "out={d}/c.json"], "level=1.0: must be < 1 (no finite factor covers every row)"),
+    ("level-zero", ["level=0", "out={d}/c.json"], "level=0.0: must be > 0.0"),
+    ("level-not-a-number", ["level=abc", "out={d}/c.json"], "level='abc': expected float"),
     ("unit-unknown", ["unit=item", "out={d}/c.json"], "unit='item' is unknown; known: ['row', 'prompt']"),
     ("base-unknown", ["base=foo", "out={d}/c.json"], "base='foo' is unknown; known: ['paper', 'design']"),
     ("unknown-key", ["+foo=1", "out={d}/c.json"], "foo: unknown key"),

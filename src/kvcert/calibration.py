@@ -3,11 +3,13 @@
 
 Two corrections, both serving-ready (nothing here needs the oracle once fitted):
 
-* ``conformal`` (the default): per layer, and per setting, policy, design and budget, the split-conformal
-  quantile q of the ratio ‖ô − o‖ / ε̂ over calibration prompts disjoint from the evaluation prompts; the
-  calibrated certificate of a row is q_layer · ε̂. Fitted once per model (``kvcert-calibrate``) and stored
-  as a small versioned JSON file bound to the model's identity (``model_identity``) and to the design's
-  knobs (``design_knobs``); applying it to another model or to other knobs is refused.
+* ``conformal`` (the default): per layer, and per setting, policy, design and budget, a base certificate
+  b = ε̂ + τ‖ô‖ (τ ≥ 0 picked per layer from ``NORM_WEIGHTS`` on the calibration rows, or b = ‖ô‖ alone
+  where ε̂ says nothing) and the split-conformal quantile q of ‖ô − o‖ / b over calibration prompts
+  disjoint from the evaluation prompts; the calibrated certificate of a row is q · b. Fitted once per model
+  (``kvcert-calibrate``) and stored as a small versioned JSON file bound to the model's identity
+  (``model_identity``) and to the design's knobs (``design_knobs``); applying it to another model or to
+  other knobs is refused.
 * ``design`` (no data): ε̂ · √(1 + z/√n_eff), an inflation by the effective number n_eff of sampled terms
   behind tr V̂ (the ``tail_ess`` column); it needs no file.
 
@@ -41,6 +43,9 @@ BASES = ("paper", "design")  # what the conformal factor multiplies: ε̂, or th
 UNITS = ("row", "prompt")  # what the conformal quantile treats as exchangeable
 DESIGN = "design"  # ``calibration=design``: the data-free correction, no file
 DESIGN_Z = 2.0  # the design-based inflation's z (see ``design_factor``)
+# τ of the base certificate ε̂ + τ‖ô‖ that a fit tries per layer: 0 keeps ε̂'s shape (where it ranks the error
+# well); larger τ lean on ‖ô‖ where ε̂ is near 0 while the error is not (slots the retained set cannot see).
+NORM_WEIGHTS = (0.0, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 STRATUM_KEYS = ("setting", "policy", "design", "budget")
 KNOBS = ("n_sink", "n_recent", "head_fraction", "pi_min", "delta", "observation_window", "policy_options")
 # Config keys that do not change what a model computes (set by attach, or by where it was loaded from).
@@ -174,8 +179,10 @@ def _budget_key(budget: float) -> str:
 class Calibration:
     """A fitted calibration (the JSON file's content).
 
-    strata: {(setting, policy, design, budget-string): {"factors": [q per layer], "rows": [n per layer],
-    "prompts": m}}; a factor of None means the layer had no calibration rows (its certificate is NaN).
+    strata: {(setting, policy, design, budget-string): {"factors": [q per layer], "cert_weights": [1 or 0 per
+    layer], "norm_weights": [τ per layer], "rows": [n per layer], "prompts": m}}: layer ℓ's certificate is
+    q_ℓ · (cert_weight_ℓ · base + norm_weight_ℓ · ‖ô‖), base = ε̂ (or its design-based inflation). A factor of
+    None means the layer had no calibration rows (its certificate is NaN).
     """
 
     method: str
@@ -223,12 +230,18 @@ class Calibration:
             try:
                 key = (str(entry["setting"]), str(entry["policy"]), str(entry["design"]), _budget_key(entry["budget"]))
                 factors = [None if f is None else float(f) for f in entry["factors"]]
+                cert_weights = [float(w) for w in entry["cert_weights"]]
+                norm_weights = [float(w) for w in entry["norm_weights"]]
                 rows = [int(r) for r in entry["rows"]]
-                value = {"factors": factors, "rows": rows, "prompts": int(entry["prompts"])}
+                value = {"factors": factors, "cert_weights": cert_weights, "norm_weights": norm_weights, "rows": rows,
+                         "prompts": int(entry["prompts"])}
             except (KeyError, TypeError, ValueError) as err:
                 raise CalibrationError(f"calibration={source}: strata[{i}] is malformed ({type(err).__name__}: {err})") from None
-            if any(f is not None and not f >= 0 for f in factors) or len(rows) != len(factors):
-                raise CalibrationError(f"calibration={source}: strata[{i}] holds a negative factor or mismatched lists")
+            lists = (factors, cert_weights, norm_weights, rows)
+            if (any(f is not None and not f >= 0 for f in factors) or any(not w >= 0 for w in cert_weights + norm_weights)
+                    or len({len(x) for x in lists}) != 1):
+                raise CalibrationError(f"calibration={source}: strata[{i}] holds a negative factor or weight, or lists "
+                                       "of different lengths")
             strata[key] = value
         level = need("level", (int, float))
         if not 0.0 < float(level) < 1.0:
@@ -301,13 +314,18 @@ def load_calibration(value) -> Calibration | str | None:
 
 
 def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, level: float | None = None,
-                    base: str = "paper", unit: str = "row", fitted_on: Mapping | None = None) -> Calibration:
+                    base: str = "paper", unit: str = "row", relative_term: bool = True,
+                    fitted_on: Mapping | None = None) -> Calibration:
     """Per-layer conformal factors from oracle step rows (``KEY_COLUMNS`` + ``STEP_COLUMNS``).
 
-    One stratum per (setting, policy, design, budget) with a certificate; within it, one factor per layer
-    (``model["num_layers"]`` of them): the conformal quantile at ``level`` (default ``default_level``) of
-    ‖ô − o‖ / base, base = ε̂ (``paper``) or ε̂ · ``design_factor`` (``design``); groups are items when
-    ``unit`` is ``prompt``. Rows without a true error (oracle off) or without a certificate are ignored.
+    One stratum per (setting, policy, design, budget) with a certificate; within it, per layer
+    (``model["num_layers"]`` of them), a base certificate b and the conformal quantile q at ``level``
+    (default ``default_level``) of ‖ô − o‖ / b (groups are items when ``unit`` is ``prompt``). b is
+    ε̂ (``base="paper"``) or ε̂ · ``design_factor`` (``base="design"``), plus, with ``relative_term``, τ‖ô‖:
+    of the candidates τ ∈ ``NORM_WEIGHTS`` and ‖ô‖ alone, the one whose certificate q · b has the smallest
+    median over the layer's calibration rows (τ is chosen on the same rows, which makes the level approximate;
+    the held-out coverage is measured in README). Rows without a true error (oracle off) or without a
+    certificate are ignored.
     """
     if base not in BASES:
         raise CalibrationError(f"base={base!r} is unknown; known: {list(BASES)}")
@@ -321,7 +339,9 @@ def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, lev
         raise CalibrationError("no step rows with both a certificate and a true error to calibrate on "
                                "(the oracle must be on and some design must be poisson)")
     n_layers = int(model.get("num_layers") or int(rows["layer"].max()) + 1)
-    scores = _ratio(rows["true_err"].to_numpy(float), _base(rows, base))
+    err, cert, norm = rows["true_err"].to_numpy(float), _base(rows, base), output_norm(rows)
+    candidates = [(1.0, tau) for tau in (NORM_WEIGHTS if relative_term else (0.0,))]
+    candidates += [(0.0, 1.0)] if relative_term else []
     strata = {}
     for key, index in rows.groupby(list(STRATUM_KEYS), sort=True).indices.items():
         setting, policy, design_name, budget = key
@@ -333,21 +353,31 @@ def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, lev
                 f"{len(np.unique(items))} calibration prompts for setting={setting} policy={policy} budget={budget:g}: "
                 f"unit={unit} at level={level:g} needs at least {need}")
         layers = sub["layer"].to_numpy(int)
-        factors, counts = [], []
+        fitted = {"factors": [], "cert_weights": [], "norm_weights": [], "rows": []}
         for layer in range(n_layers):
             mask = layers == layer
-            counts.append(int(mask.sum()))
+            at = index[mask]
+            fitted["rows"].append(int(mask.sum()))
             if not mask.any():
-                factors.append(None)
+                for name, empty in (("factors", None), ("cert_weights", 1.0), ("norm_weights", 0.0)):
+                    fitted[name].append(empty)
                 continue
-            q = conformal_quantile(scores[index][mask], level, items[mask] if unit == "prompt" else None)
-            if not math.isfinite(q):
+            best = None
+            for weights in candidates:
+                b = weights[0] * cert[at] + weights[1] * norm[at]
+                q = conformal_quantile(_ratio(err[at], b), level, items[mask] if unit == "prompt" else None)
+                width = float(np.median(q * b)) if math.isfinite(q) else math.inf
+                if best is None or width < best[0]:
+                    best = (width, q, weights)
+            if not math.isfinite(best[1]):
                 raise CalibrationError(
                     f"layer {layer} of setting={setting} policy={policy} budget={budget:g} has {int(mask.sum())} "
                     f"calibration rows, too few for a finite quantile at level={level:g}; use more prompts")
-            factors.append(float(q))
+            fitted["factors"].append(float(best[1]))
+            fitted["cert_weights"].append(best[2][0])
+            fitted["norm_weights"].append(best[2][1])
         strata[(str(setting), str(policy), str(design_name), _budget_key(budget))] = {
-            "factors": factors, "rows": counts, "prompts": int(len(np.unique(items)))}
+            **fitted, "prompts": int(len(np.unique(items)))}
     return Calibration(method="conformal", level=level, base=base, unit=unit, model=dict(model), design=dict(design),
                        strata=strata, fitted_on=dict(fitted_on or {}))
 
@@ -355,6 +385,19 @@ def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, lev
 def _base(steps: pd.DataFrame, base: str) -> np.ndarray:
     cert = steps["cert"].to_numpy(float)
     return cert * design_factor(steps["tail_ess"].to_numpy(float)) if base == "design" else cert
+
+
+def output_norm(steps: pd.DataFrame) -> np.ndarray:
+    """‖ô‖ of every row, (N,): the ``out_norm`` column, or (tables written before it existed) ε̂/rel_cert or
+    ‖ô − o‖/rel_err where those are positive, else 0."""
+    if "out_norm" in steps:
+        return steps["out_norm"].to_numpy(float)
+    out = np.zeros(len(steps))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for value, relative in (("true_err", "rel_err"), ("cert", "rel_cert")):
+            v, r = steps[value].to_numpy(float), steps[relative].to_numpy(float)
+            out = np.where((out == 0) & (r > 0) & np.isfinite(v), v / np.where(r > 0, r, 1.0), out)
+    return out
 
 
 # --- applying ---------------------------------------------------------------------------------------------
@@ -374,7 +417,12 @@ def calibrated_certificate(calibration: Calibration | str, steps: pd.DataFrame, 
     if layers.size and layers.max() >= factors.size:
         raise CalibrationError(f"calibration={calibration.source} holds {factors.size} layers; the model has layer "
                                f"{int(layers.max())}")
-    return _base(steps, calibration.base) * factors[layers]
+    cert_w = np.asarray(stratum["cert_weights"], dtype=float)[layers]
+    norm_w = np.asarray(stratum["norm_weights"], dtype=float)[layers]
+    base = _base(steps, calibration.base)
+    # ε̂ is NaN exactly where there is no certificate (deterministic rows): keep that NaN whatever the weights
+    return np.where(np.isfinite(base), factors[layers] * (cert_w * np.nan_to_num(base) + norm_w * output_norm(steps)),
+                    np.nan)
 
 
 def prepare_calibration(calibration, *, model=None, setting: str, configurations: Iterable[tuple[str, str, float]],
@@ -502,7 +550,8 @@ def _spearman(spearmanr, x: np.ndarray, y: np.ndarray) -> float:
 
 
 __all__ = [
-    "BASES", "BY_LAYER_KEYS", "Calibration", "DESIGN", "DESIGN_Z", "FORMAT", "METHODS", "UNITS", "VERSION",
+    "BASES", "BY_LAYER_KEYS", "Calibration", "DESIGN", "DESIGN_Z", "FORMAT", "METHODS", "NORM_WEIGHTS", "UNITS",
+    "VERSION", "output_norm",
     "apply_calibration", "by_layer", "calibrated_certificate", "calibration_summary", "conformal_quantile",
     "default_level", "design_factor", "design_knobs", "fit_calibration", "needed_prompts", "knob_label", "load_calibration", "minimum_prompts", "model_identity",
     "prepare_calibration", "wilson_interval",

@@ -192,7 +192,7 @@ def _steps_frame(cache: CompressedCache, row: int, delta: float, randomized: boo
         coverage = np.where(np.isfinite(cert) & np.isfinite(true_err), (true_err <= cert).astype(float), np.nan)
     columns = {"step": step, "layer": layer, "kv_head": kv_head, "trace_var": trace, "cert": cert,
                "true_err": true_err, "rel_cert": cert / safe_norm, "rel_err": true_err / safe_norm,
-               "coverage": coverage, "wald_coverage": wald, "tail_ess": tail_ess}
+               "coverage": coverage, "wald_coverage": wald, "tail_ess": tail_ess, "out_norm": norm}
     keep = step < limit
     order = np.lexsort((kv_head[keep], layer[keep], step[keep]))  # stable: by step, then layer, then head
     return pd.DataFrame({name: columns[name][keep][order] for name in STEP_COLUMNS})

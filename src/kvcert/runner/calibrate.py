@@ -29,7 +29,7 @@ from ..models import ModelSpec, load_model, model_fingerprint
 from ..provenance import code_fingerprint
 
 APP = "kvcert-calibrate"
-_OWN_KEYS = ("out", "level", "unit", "base", "cells")
+_OWN_KEYS = ("out", "level", "unit", "base", "relative_term", "cells")
 
 
 def _check_keys(cfg) -> None:
@@ -46,21 +46,19 @@ def _check_keys(cfg) -> None:
 
 
 def _options(cfg) -> dict:
-    """The fit's own options, checked: level (None: 1 − delta), unit, base."""
+    """The fit's own options, checked: level (None: the default, 1 − delta/2), unit, base, relative_term."""
+    from .config import _flag, _number
+
     level = cfg.get("level")
     if level is not None:
-        try:
-            if isinstance(level, bool):
-                raise TypeError
-            level = float(level)
-        except (TypeError, ValueError):
-            raise ConfigError(f"level={cfg.get('level')!r}: expected a number in (0, 1)") from None
-        if not 0.0 < level < 1.0:
-            raise ConfigError(f"level={level}: must lie in (0, 1)")
+        level = _number(cfg, "level", float, low=0.0, high=1.0, low_open=True)
+        if level == 1.0:
+            raise ConfigError("level=1.0: must be < 1 (no finite factor covers every row)")
     for key, known in (("unit", UNITS), ("base", BASES)):
         if cfg.get(key) not in known:
             raise ConfigError(f"{key}={cfg.get(key)!r} is unknown; known: {list(known)}")
-    return {"level": level, "unit": str(cfg.unit), "base": str(cfg.base)}
+    return {"level": level, "unit": str(cfg.unit), "base": str(cfg.base),
+            "relative_term": _flag(cfg, "relative_term", True)}
 
 
 def _check_out(out: Path) -> None:
