@@ -46,6 +46,8 @@ DESIGN_Z = 2.0  # the design-based inflation's z (see ``design_factor``)
 # τ of the base certificate ε̂ + τ‖ô‖ that a fit tries per layer: 0 keeps ε̂'s shape (where it ranks the error
 # well); larger τ lean on ‖ô‖ where ε̂ is near 0 while the error is not (slots the retained set cannot see).
 NORM_WEIGHTS = (0.0, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+# A candidate base may rank a layer's calibration errors at most this much worse (Spearman) than ε̂ does.
+RANK_TOLERANCE = 0.01
 STRATUM_KEYS = ("setting", "policy", "design", "budget")
 KNOBS = ("n_sink", "n_recent", "head_fraction", "pi_min", "delta", "observation_window", "policy_options")
 # Config keys that do not change what a model computes (set by attach, or by where it was loaded from).
@@ -322,10 +324,11 @@ def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, lev
     (``model["num_layers"]`` of them), a base certificate b and the conformal quantile q at ``level``
     (default ``default_level``) of ‖ô − o‖ / b (groups are items when ``unit`` is ``prompt``). b is
     ε̂ (``base="paper"``) or ε̂ · ``design_factor`` (``base="design"``), plus, with ``relative_term``, τ‖ô‖:
-    of the candidates τ ∈ ``NORM_WEIGHTS`` and ‖ô‖ alone, the one whose certificate q · b has the smallest
-    median over the layer's calibration rows (τ is chosen on the same rows, which makes the level approximate;
-    the held-out coverage is measured in README). Rows without a true error (oracle off) or without a
-    certificate are ignored.
+    of the candidates τ ∈ ``NORM_WEIGHTS`` and ‖ô‖ alone that rank the layer's calibration errors (Spearman)
+    at most ``RANK_TOLERANCE`` worse than ε̂ does, the one whose certificate q · b has the smallest median over
+    the layer's calibration rows (τ is chosen on the same rows, which makes the level approximate; the
+    held-out coverage is measured in README). Rows without a true error (oracle off) or without a certificate
+    are ignored.
     """
     if base not in BASES:
         raise CalibrationError(f"base={base!r} is unknown; known: {list(BASES)}")
@@ -362,9 +365,13 @@ def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, lev
                 for name, empty in (("factors", None), ("cert_weights", 1.0), ("norm_weights", 0.0)):
                     fitted[name].append(empty)
                 continue
-            best = None
-            for weights in candidates:
+            best, floor = None, None
+            for weights in candidates:  # the first is ε̂ itself: its rank correlation sets the floor
                 b = weights[0] * cert[at] + weights[1] * norm[at]
+                rank = _rank_correlation(b, err[at])
+                floor = rank - RANK_TOLERANCE if floor is None else floor
+                if rank < floor:
+                    continue
                 q = conformal_quantile(_ratio(err[at], b), level, items[mask] if unit == "prompt" else None)
                 width = float(np.median(q * b)) if math.isfinite(q) else math.inf
                 if best is None or width < best[0]:
@@ -380,6 +387,15 @@ def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, lev
             **fitted, "prompts": int(len(np.unique(items)))}
     return Calibration(method="conformal", level=level, base=base, unit=unit, model=dict(model), design=dict(design),
                        strata=strata, fitted_on=dict(fitted_on or {}))
+
+
+def _rank_correlation(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman's ρ, or −1 where either side is constant (nothing ranked)."""
+    from scipy.stats import spearmanr
+
+    if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return -1.0
+    return float(spearmanr(x, y).statistic)
 
 
 def _base(steps: pd.DataFrame, base: str) -> np.ndarray:
@@ -550,7 +566,8 @@ def _spearman(spearmanr, x: np.ndarray, y: np.ndarray) -> float:
 
 
 __all__ = [
-    "BASES", "BY_LAYER_KEYS", "Calibration", "DESIGN", "DESIGN_Z", "FORMAT", "METHODS", "NORM_WEIGHTS", "UNITS",
+    "BASES", "BY_LAYER_KEYS", "Calibration", "DESIGN", "DESIGN_Z", "FORMAT", "METHODS", "NORM_WEIGHTS",
+    "RANK_TOLERANCE", "UNITS",
     "VERSION", "output_norm",
     "apply_calibration", "by_layer", "calibrated_certificate", "calibration_summary", "conformal_quantile",
     "default_level", "design_factor", "design_knobs", "fit_calibration", "needed_prompts", "knob_label", "load_calibration", "minimum_prompts", "model_identity",
