@@ -307,6 +307,13 @@ def test_apply_multiplies_the_certificate_by_its_layer_factor_and_scores_it():
     topk = apply_calibration(cal, rows.assign(cert=np.nan), design="topk", policy="snapkv", budget=0.25,
                              setting="question_aware", checked=True)
     assert topk["cert_calibrated"].isna().all() and topk["coverage_calibrated"].isna().all()
+    # where ε̂ = 0 (nothing in the layer's view evicted) the error is float32 rounding: never claim less
+    from kvcert.calibration import ROUNDING
+
+    exact = apply_calibration(cal, rows.assign(cert=0.0, true_err=3e-7 * rows["out_norm"]), design="poisson",
+                              policy="snapkv", budget=0.25, setting="question_aware", checked=True)
+    assert (exact["cert_calibrated"] >= ROUNDING * rows["out_norm"] - 1e-12).all()
+    assert exact["coverage_calibrated"].eq(1.0).all()
     # no oracle: the certificate, no coverage
     serving = apply_calibration(cal, rows.assign(true_err=np.nan), design="poisson", policy="snapkv", budget=0.25,
                                 setting="question_aware", checked=True)

@@ -48,6 +48,10 @@ DESIGN_Z = 2.0  # the design-based inflation's z (see ``design_factor``)
 NORM_WEIGHTS = (0.0, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
 # A candidate base may rank a layer's calibration errors at most this much worse (Spearman) than ε̂ does.
 RANK_TOLERANCE = 0.01
+# Float32 rounding: the compressed and the full path differ by up to ~1e-6 ‖ô‖ even where nothing was
+# evicted from a layer's view (e.g. a sliding-window layer whose window was kept whole, where ε̂ = 0). A
+# calibrated certificate never claims less than this; the per-layer table counts such rows apart.
+ROUNDING = 1e-5
 STRATUM_KEYS = ("setting", "policy", "design", "budget")
 KNOBS = ("n_sink", "n_recent", "head_fraction", "pi_min", "delta", "observation_window", "policy_options")
 # Config keys that do not change what a model computes (set by attach, or by where it was loaded from).
@@ -424,7 +428,7 @@ def calibrated_certificate(calibration: Calibration | str, steps: pd.DataFrame, 
     """cert_calibrated for one configuration's step rows, (N,): NaN where ε̂ is NaN (deterministic designs)."""
     cert = steps["cert"].to_numpy(float)
     if calibration == DESIGN:
-        return cert * design_factor(steps["tail_ess"].to_numpy(float))
+        return np.maximum(cert * design_factor(steps["tail_ess"].to_numpy(float)), ROUNDING * output_norm(steps))
     if design != "poisson" or not len(steps):
         return np.full(len(steps), np.nan)
     stratum = calibration.stratum(setting, policy, design, budget)
@@ -435,10 +439,10 @@ def calibrated_certificate(calibration: Calibration | str, steps: pd.DataFrame, 
                                f"{int(layers.max())}")
     cert_w = np.asarray(stratum["cert_weights"], dtype=float)[layers]
     norm_w = np.asarray(stratum["norm_weights"], dtype=float)[layers]
-    base = _base(steps, calibration.base)
+    base, norm = _base(steps, calibration.base), output_norm(steps)
+    calibrated = factors[layers] * (cert_w * np.nan_to_num(base) + norm_w * norm)
     # ε̂ is NaN exactly where there is no certificate (deterministic rows): keep that NaN whatever the weights
-    return np.where(np.isfinite(base), factors[layers] * (cert_w * np.nan_to_num(base) + norm_w * output_norm(steps)),
-                    np.nan)
+    return np.where(np.isfinite(base), np.maximum(calibrated, ROUNDING * norm), np.nan)
 
 
 def prepare_calibration(calibration, *, model=None, setting: str, configurations: Iterable[tuple[str, str, float]],
@@ -523,8 +527,10 @@ def by_layer(steps: pd.DataFrame, keys: list[str] | None = None) -> pd.DataFrame
 
     Over the rows with a certificate and a true error: n_rows, n_items, coverage with its 95% Wilson
     interval (rows as independent trials: rows of one item are not, so it is narrower than an item-level
-    interval), mean Wald coverage, median relative width ε̂/‖ô‖, Spearman(ε̂, ‖ô − o‖); and, where the rows
-    carry ``cert_calibrated``, the same for the calibrated certificate.
+    interval), mean Wald coverage, median relative width ε̂/‖ô‖, Spearman(ε̂, ‖ô − o‖), and
+    uncovered_at_rounding, the uncovered rows whose error is float32 rounding (≤ ``ROUNDING`` ‖ô‖: ε̂ = 0
+    where nothing in the layer's view was evicted); and, where the rows carry ``cert_calibrated``, the
+    same for the calibrated certificate.
     """
     from scipy.stats import spearmanr
 
@@ -539,8 +545,10 @@ def by_layer(steps: pd.DataFrame, keys: list[str] | None = None) -> pd.DataFrame
         record = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
         covered = float((e <= c).sum())
         low, high = wilson_interval(covered, len(sub))
+        rounding = (e > c) & (e <= ROUNDING * output_norm(sub))
         record.update(n_rows=len(sub), n_items=int(sub["item_id"].nunique()) if "item_id" in sub else np.nan,
                       coverage=covered / len(sub), coverage_low=low, coverage_high=high,
+                      uncovered_at_rounding=int(rounding.sum()),
                       wald_coverage=float(np.nanmean(sub["wald_coverage"])) if sub["wald_coverage"].notna().any() else np.nan,
                       median_rel_width=float(np.nanmedian(sub["rel_cert"])),
                       spearman=_spearman(spearmanr, c, e))
@@ -567,7 +575,7 @@ def _spearman(spearmanr, x: np.ndarray, y: np.ndarray) -> float:
 
 __all__ = [
     "BASES", "BY_LAYER_KEYS", "Calibration", "DESIGN", "DESIGN_Z", "FORMAT", "METHODS", "NORM_WEIGHTS",
-    "RANK_TOLERANCE", "UNITS",
+    "RANK_TOLERANCE", "ROUNDING", "UNITS",
     "VERSION", "output_norm",
     "apply_calibration", "by_layer", "calibrated_certificate", "calibration_summary", "conformal_quantile",
     "default_level", "design_factor", "design_knobs", "fit_calibration", "needed_prompts", "knob_label", "load_calibration", "minimum_prompts", "model_identity",

@@ -27,8 +27,8 @@ from kvcert.calibration import BY_LAYER_KEYS, by_layer  # noqa: E402
 
 # PDF and PNG writers stamp dates and versions unless told not to: the figure must be byte-reproducible.
 METADATA = {"pdf": {"CreationDate": None, "Producer": None, "Creator": None}, "png": {"Software": None}}
-COLUMNS = BY_LAYER_KEYS + ["n_rows", "n_items", "coverage", "coverage_low", "coverage_high", "wald_coverage",
-                           "median_rel_width", "spearman"]
+COLUMNS = BY_LAYER_KEYS + ["n_rows", "n_items", "coverage", "coverage_low", "coverage_high", "uncovered_at_rounding",
+                           "wald_coverage", "median_rel_width", "spearman"]
 
 
 def read_cells(cells: list[str]) -> pd.DataFrame:
