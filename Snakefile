@@ -13,6 +13,7 @@ include: "workflow/rules/claims.smk"
 include: "workflow/rules/tables.smk"
 include: "workflow/rules/notebooks.smk"
 include: "workflow/rules/exploratory.smk"
+include: "workflow/rules/calibration.smk"
 
 
 rule all:
@@ -22,6 +23,7 @@ rule all:
         CLAIM_FIGURES,
         NOTEBOOKS if STUDIES else [],
         EXPLORATORY_OUTPUTS,
+        CALIBRATION_OUTPUTS,
 
 
 onerror:

@@ -86,6 +86,49 @@ def test_kernel_matches_float64_estimator(op, shape):
         np.testing.assert_allclose(var.double(), ref_var, rtol=1e-3, atol=1e-6 * float(ref_var.max()))
 
 
+def _reference_terms(q, k, v, log_pi, scale):
+    """(Σc, Σc²), c = (1 − π) a² over the sampled slots, in float64 from the softmax weights."""
+    weights = torch.softmax(scale * q.double() @ k.double().transpose(-1, -2)
+                            + offset_bias(log_pi.double()).unsqueeze(-2), dim=-1)
+    c = one_minus_pi(log_pi.double()).unsqueeze(-2) * weights**2
+    c = torch.where(torch.isfinite(log_pi) & (log_pi < 0), 1.0, 0.0).double().unsqueeze(-2) * c
+    return torch.stack([c.sum(-1), c.square().sum(-1)], dim=-1)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [dict(n=700, t=300), dict(n=40, t=20, d=16, r=2), dict(n=300, t=120, d=128, r=5), dict(n=512, t=100, d=48, r=6),
+     dict(n=200, t=0)],
+)
+def test_kernel_terms_match_float64(op, shape):
+    """The optional ``terms`` output: per query row, Σ(1 − π)a² and Σ((1 − π)a²)² over the sampled slots
+    (the effective number of terms behind V̂ follows from them), overwriting whatever the buffer held, and
+    leaving out and var exactly as without it."""
+    q, k, v, log_pi = _inputs(7, **shape)
+    terms = torch.full((*q.shape[:-1], 2), 123.0)
+    sampled = ((log_pi < 0) & torch.isfinite(log_pi)).flatten(0, -2).any(0)
+    t = int(torch.nonzero(sampled).max()) + 1 if bool(sampled.any()) else 0
+    args = (q, k, v, offset_bias(log_pi).unsqueeze(-2), one_minus_pi(log_pi[..., :t]).contiguous(), 0.125)
+    out, var = op(*args, terms)
+    plain_out, plain_var = op(*args)
+    assert torch.equal(out, plain_out) and torch.equal(var, plain_var)
+    ref = _reference_terms(q, k, v, log_pi, 0.125)
+    if shape["t"] == 0:
+        assert bool((terms == 0).all())
+    else:
+        np.testing.assert_allclose(terms.double(), ref, rtol=1e-4, atol=1e-12)
+        assert bool((terms[..., 0] > 0).all())
+
+
+def test_kernel_terms_buffer_is_checked(op):
+    q, k, v, log_pi = _inputs(4, n=50, t=10)
+    args = (q, k, v, offset_bias(log_pi).unsqueeze(-2), one_minus_pi(log_pi[..., :10]).contiguous(), 0.1)
+    with pytest.raises(RuntimeError, match="terms must be a contiguous"):
+        op(*args, torch.zeros((*q.shape[:-1], 3)))
+    with pytest.raises(RuntimeError, match="terms must be float32"):
+        op(*args, torch.zeros((*q.shape[:-1], 2), dtype=torch.float64))
+
+
 @pytest.mark.parametrize("value_offset,q_scale", [(300.0, 1.0), (0.0, 4.0), (300.0, 4.0)])
 def test_kernel_is_as_accurate_as_the_float32_estimator(op, value_offset, q_scale):
     """Values sharing a large offset and peaked attention: the kernel's error against float64 stays within a
@@ -211,6 +254,9 @@ def test_generation_with_and_without_the_kernel_agree(arch, setting, monkeypatch
         # true_err is ~1e-8 where a layer's window holds only certain slots: there it is float32 rounding
         for column, atol in (("trace_var", 1e-9), ("cert", 1e-6), ("true_err", 1e-6)):
             np.testing.assert_allclose(a.steps[column], b.steps[column], rtol=1e-4, atol=atol)
+        # the effective number of terms where the variance is more than rounding
+        weighty = (b.steps["trace_var"] > 1e-6).to_numpy()
+        np.testing.assert_allclose(a.steps["tail_ess"][weighty], b.steps["tail_ess"][weighty], rtol=1e-3)
         # Wald coverage where the error is more than rounding (a coordinate on an interval's edge may flip)
         real = (b.steps["true_err"] > 1e-5).to_numpy()
         assert real.any()
@@ -259,3 +305,4 @@ def test_a_pass_mixing_kernel_and_pytorch_layers_records_the_same(oracle, op, mo
     pd.testing.assert_frame_equal(result.steps[keys], reference.steps[keys])
     assert set(result.steps["layer"]) == {0, 1} and (result.steps["trace_var"] > 0).all()
     np.testing.assert_allclose(result.steps["trace_var"], reference.steps["trace_var"], rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(result.steps["tail_ess"], reference.steps["tail_ess"], rtol=1e-3)

@@ -187,6 +187,7 @@ def test_generate_end_to_end(smollm2):
         steps = res.steps
         assert list(steps.columns) == [
             "step", "layer", "kv_head", "trace_var", "cert", "true_err", "rel_cert", "rel_err", "coverage", "wald_coverage",
+            "tail_ess", "out_norm",
         ]
         n_layers = model.config.num_hidden_layers
         n_kv = model.config.num_key_value_heads

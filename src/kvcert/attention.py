@@ -214,8 +214,9 @@ def certified_attention(cache: CompressedCache, layer_idx: int, query, key, valu
         full_out = flat(_oracle_attention(grouped_q, layer, q_pos, sliding, scale, hq // hk))
     shape = (b, hk, hq // hk, m, value.shape[-1])
     if recorder.kernel is not None:
-        out, var = recorder.kernel(grouped_q, key, value, grouped_bias, layer.one_minus_pi, scale)
-        recorder.add(layer_idx, shape, out, None, full_out, var=var)
+        terms = grouped_q.new_empty((*grouped_q.shape[:-1], 2))  # (b, kv_heads, group·m, 2): Σc, Σc² per row
+        out, var = recorder.kernel(grouped_q, key, value, grouped_bias, layer.one_minus_pi, scale, terms)
+        recorder.add(layer_idx, shape, out, None, full_out, var=var, terms=terms)
     else:
         # Rows are never empty here: every query sees itself (an appended, certain slot).
         out, weights = hajek_with_weights(flat(grouped_q), flat(key), flat(value), flat(grouped_bias), scale,

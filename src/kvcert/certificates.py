@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .estimator import TailMoments, linearized_variance, tail_moments
+from .estimator import TailMoments, effective_terms, linearized_variance, tail_moments
 from .kernels import AttentionPath
 
 if TYPE_CHECKING:
@@ -32,13 +32,16 @@ class StepRecord:
 
     Tensors are (len(layers), batch, kv_heads, m) for the m query positions of the pass, float32; the
     query heads of a KV head are stacked into one output vector (so traces add and norms are of the
-    concatenation). true_err and wald_coverage are set in oracle mode.
+    concatenation). tail_ess is the effective number (Σc)²/Σc² of the terms c = (1 − π) a² behind tr V̂,
+    over the KV head's query heads and sampled slots (0 where no sampled slot has weight; docs/METHOD.md
+    §7). true_err and wald_coverage are set in oracle mode.
     """
 
     layers: tuple[int, ...]
     first_step: int
     trace_var: torch.Tensor
     out_norm: torch.Tensor
+    tail_ess: torch.Tensor
     true_err: torch.Tensor | None = None
     wald_coverage: torch.Tensor | None = None
 
@@ -49,8 +52,9 @@ class _PendingStep:
 
     out/full_out: (batch·kv_heads, group·m, dv); shape = (batch, kv_heads, group, m, dv). Either
     sampled_attention, (batch·kv_heads, group·m, t), the softmax weights of the layer's t sampled slots, or
-    var, the per-coordinate variance the compiled kernel already computed. With var, out and var may also
-    come unflattened, (batch, kv_heads, group·m, dv), as the kernel returns them.
+    var, the per-coordinate variance the compiled kernel already computed, with terms, its (Σc, Σc²) per
+    query row, (batch, kv_heads, group·m, 2). With var, out and var may also come unflattened,
+    (batch, kv_heads, group·m, dv), as the kernel returns them.
     """
 
     layer: int
@@ -60,6 +64,7 @@ class _PendingStep:
     sampled_attention: torch.Tensor | None
     full_out: torch.Tensor | None
     var: torch.Tensor | None = None
+    terms: torch.Tensor | None = None
 
 
 def _stack_rows(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
@@ -91,12 +96,13 @@ class CertificateRecorder:
         self._moments: dict[tuple[int, ...], TailMoments] = {}
 
     def add(self, layer: int, shape: tuple[int, ...], out: torch.Tensor, sampled_attention: torch.Tensor | None,
-            full_out: torch.Tensor | None, var: torch.Tensor | None = None) -> None:
-        """Hand over one certified call on layer ``layer`` (see ``_PendingStep`` for the shapes)."""
+            full_out: torch.Tensor | None, var: torch.Tensor | None = None, terms: torch.Tensor | None = None) -> None:
+        """Hand over one certified call on layer ``layer`` (see ``_PendingStep`` for the shapes); a call with
+        ``var`` brings its ``terms`` too."""
         if self._pending and layer <= self._pending[-1].layer:
             self._flush()
         first_step = self.layers[layer].length - shape[3] - self.prefix_length
-        self._pending.append(_PendingStep(layer, first_step, shape, out, sampled_attention, full_out, var))
+        self._pending.append(_PendingStep(layer, first_step, shape, out, sampled_attention, full_out, var, terms))
 
     @property
     def records(self) -> list[StepRecord]:
@@ -128,34 +134,39 @@ class CertificateRecorder:
             self._moments[layers] = tail_moments(values, one_minus_pi, per_coordinate=self.oracle)
         return self._moments[layers]
 
-    def _variance(self, steps: list[_PendingStep], out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    def _variance(self, steps: list[_PendingStep], out: torch.Tensor,
+                  shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """The variance of each call, (L, batch·kv_heads, group·m, width): width dv per coordinate (oracle, or
-        every call computed by the kernel), else 1 (the trace). out: the calls' outputs, stacked; shape:
-        (L, batch, kv_heads, group, m, dv)."""
+        every call computed by the kernel), else 1 (the trace); and its terms (Σc, Σc²) per query row,
+        (L, batch·kv_heads, group·m, 2). out: the calls' outputs, stacked; shape: (L, batch, kv_heads, group,
+        m, dv)."""
         if all(s.var is not None for s in steps):
-            return _stack_rows([s.var for s in steps], shape)
+            return _stack_rows([s.var for s in steps], shape), _stack_rows([s.terms for s in steps], shape)
         fused = [i for i, s in enumerate(steps) if s.var is not None]
         pending = [i for i, s in enumerate(steps) if s.var is None]
         tail = self._tail_moments(tuple(steps[i].layer for i in pending), out.dtype)
         weights = out.new_zeros((len(pending), *out.shape[1:-1], tail.one_minus_pi.shape[-1]))
         for j, i in enumerate(pending):
             weights[j, ..., : steps[i].sampled_attention.shape[-1]] = steps[i].sampled_attention
-        computed = linearized_variance(weights, out[pending], tail)
+        computed, computed_terms = linearized_variance(weights, out[pending], tail, terms=True)
         if not fused:
-            return computed
+            return computed, computed_terms
         var = computed.new_empty((len(steps), *computed.shape[1:]))
-        var[pending] = computed
+        terms = computed_terms.new_empty((len(steps), *computed_terms.shape[1:]))
+        var[pending], terms[pending] = computed, computed_terms
         for i in fused:
             v = steps[i].var.reshape(var.shape[1:-1] + steps[i].var.shape[-1:])
             var[i] = v if tail.per_coordinate else v.sum(-1, keepdim=True)
-        return var
+            terms[i] = steps[i].terms.reshape(terms.shape[1:])
+        return var, terms
 
     def _summarize(self, steps: list[_PendingStep]) -> StepRecord:
         """The StepRecord of the calls of one pass (same first_step and shape), computed for all layers at once."""
         shape = (len(steps), *steps[0].shape)  # (L, batch, kv_heads, group, m, dv)
         layers = tuple(s.layer for s in steps)
         out = _stack_rows([s.out for s in steps], shape)  # (L, batch·kv_heads, group·m, dv)
-        var = self._variance(steps, out, shape).reshape(*shape[:-1], -1)
+        var, terms = self._variance(steps, out, shape)
+        var = var.reshape(*shape[:-1], -1)
         out = out.reshape(shape)
         reduce = (3, 5)  # the group's query heads and the value coordinates form one vector per KV head
         record = StepRecord(
@@ -163,6 +174,8 @@ class CertificateRecorder:
             first_step=steps[0].first_step,
             trace_var=var.sum(dim=reduce).float(),
             out_norm=torch.linalg.vector_norm(out, dim=reduce).float(),
+            # the group's query heads pool their terms, as their outputs form one vector
+            tail_ess=effective_terms(terms.reshape(*shape[:-1], 2).sum(dim=3)).float(),
         )
         if steps[0].full_out is not None:
             err = out - torch.stack([s.full_out.to(out.dtype) for s in steps]).reshape(shape)

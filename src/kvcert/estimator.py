@@ -111,16 +111,40 @@ def hajek_with_weights(
     return torch.matmul(weights, v), weights
 
 
-def linearized_variance(sampled_attention: torch.Tensor, out: torch.Tensor, tail: TailMoments) -> torch.Tensor:
+def variance_terms(c: torch.Tensor) -> torch.Tensor:
+    """(Σ_i c_i, Σ_i c_i²) of the variance's term weights c_i = (1 − π_i) a_i², (..., m, t) -> (..., m, 2).
+
+    Terms below the smallest normal float are dropped, as the compiled kernel drops them, so both paths count
+    the same terms. The effective number of terms behind V̂ follows from them (``effective_terms``).
+    """
+    c = torch.where(c >= torch.finfo(c.dtype).tiny, c, torch.zeros((), dtype=c.dtype, device=c.device))
+    return torch.stack([c.sum(-1), c.square().sum(-1)], dim=-1)
+
+
+def effective_terms(terms: torch.Tensor) -> torch.Tensor:
+    """Kish's effective number (Σc)² / Σc² of the terms behind V̂, from (..., 2) sums (``variance_terms``).
+
+    1 when one sampled slot carries all of the variance's weight, t when t slots carry equal weight; 0 when no
+    sampled slot has weight (V̂ = 0). Returns (...,) in terms' dtype.
+    """
+    total, squares = terms[..., 0], terms[..., 1]
+    return torch.where(squares > 0, total.square() / squares.clamp_min(torch.finfo(terms.dtype).tiny),
+                       torch.zeros_like(total))
+
+
+def linearized_variance(sampled_attention: torch.Tensor, out: torch.Tensor, tail: TailMoments,
+                        terms: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """V̂ = Σ_tail (1 − π_i) a_i² (v_i − ô)² from the attention weights of the t sampled slots and the output.
 
     sampled_attention: (..., m, t), the softmax weights a of the slots ``tail`` describes; out: (..., m, dv).
     Returns (..., m, dv) per coordinate when ``tail.per_coordinate``, else (..., m, 1), the trace Σ_j V̂_j;
-    in out's dtype, clamped at 0 (the expansion can round slightly below).
+    in out's dtype, clamped at 0 (the expansion can round slightly below). With ``terms``, also
+    ``variance_terms`` of the same weights, (..., m, 2).
     """
     dtype = out.dtype
     center, stacked, one_minus_pi = (t if t.dtype == dtype else t.to(dtype) for t in tail[:3])
     c = sampled_attention.square().mul_(one_minus_pi)
+    term_sums = variance_terms(c) if terms else None
     sums = torch.matmul(c, stacked)  # Σc·second moment, Σc(v−μ), Σc
     width = sums.shape[-1] - out.shape[-1] - 1  # dv per coordinate, 1 for the trace
     oc = out - center
@@ -130,7 +154,8 @@ def linearized_variance(sampled_attention: torch.Tensor, out: torch.Tensor, tail
         var = torch.addcmul(sums[..., :width], oc, half, value=-2.0)
     else:
         var = torch.add(sums[..., :1], torch.linalg.vecdot(oc, half).unsqueeze(-1), alpha=-2.0)
-    return var.clamp_min_(0.0)
+    var = var.clamp_min_(0.0)
+    return (var, term_sums) if terms else var
 
 
 def hajek_with_bias(

@@ -185,13 +185,14 @@ def _steps_frame(cache: CompressedCache, row: int, delta: float, randomized: boo
     cert = certificate(torch.from_numpy(trace), delta).numpy() if randomized else missing
     true_err = flat("true_err") if records[0].true_err is not None else missing
     wald = flat("wald_coverage") if records[0].wald_coverage is not None and randomized else missing
+    tail_ess = flat("tail_ess") if randomized else missing
     norm = flat("out_norm")
     safe_norm = np.where(norm > 0, norm, np.nan)
     with np.errstate(invalid="ignore"):
         coverage = np.where(np.isfinite(cert) & np.isfinite(true_err), (true_err <= cert).astype(float), np.nan)
     columns = {"step": step, "layer": layer, "kv_head": kv_head, "trace_var": trace, "cert": cert,
                "true_err": true_err, "rel_cert": cert / safe_norm, "rel_err": true_err / safe_norm,
-               "coverage": coverage, "wald_coverage": wald}
+               "coverage": coverage, "wald_coverage": wald, "tail_ess": tail_ess, "out_norm": norm}
     keep = step < limit
     order = np.lexsort((kv_head[keep], layer[keep], step[keep]))  # stable: by step, then layer, then head
     return pd.DataFrame({name: columns[name][keep][order] for name in STEP_COLUMNS})
@@ -406,13 +407,21 @@ def generate(
     cache); budget: retained fraction of the prefix in (0, 1]; setting: ``question_aware`` (compress
     after context + question) or ``streaming`` (compress the context; question and answer attend to the
     compressed cache); seed: the Poisson draw, derived per item as the runner does when ``item_id`` is
-    given; calibration: a ``kvcert.calibration.Calibration`` (or a path to one) that adds the calibrated
-    certificate to ``steps`` (``cert_calibrated``, and ``coverage_calibrated`` with the oracle).
+    given; calibration: a ``kvcert.calibration.Calibration``, a path to one (``kvcert-calibrate``), or
+    ``"design"`` (the data-free correction), which adds the calibrated certificate to ``steps``
+    (``cert_calibrated``, and ``coverage_calibrated`` with the oracle); a file fitted on another model or
+    other design knobs raises ``CalibrationError``.
     """
     prompt = build_prompt(tokenizer, context, question, answer_prefix, setting=setting,
                           max_new_tokens=max_new_tokens, limit=model_limit(model, max_context_tokens),
                           truncate=truncate)
     full = policy == FULL
+    if calibration is not None and not full:  # refused before anything is computed
+        from .calibration import prepare_calibration
+
+        calibration = prepare_calibration(calibration, model=model, setting=setting,
+                                          configurations=[(policy, design, budget)], options=options, delta=delta,
+                                          observation_window=observation_window, policy_options=policy_options)
     needs_acc = (not full) and get_policy(policy).needs_accumulated_attention
     state = prefill(model, prompt.prefix_ids, prompt.suffix_ids, setting=setting,
                     observation_window=observation_window, accumulate=needs_acc, policy_options=policy_options)
@@ -427,9 +436,8 @@ def generate(
     if calibration is not None and not full:
         from .calibration import apply_calibration
 
-        fields["steps"] = apply_calibration(calibration, fields["steps"], model=model, design=design,
-                                            policy=policy, budget=budget, setting=setting, options=options,
-                                            delta=delta)
+        fields["steps"] = apply_calibration(calibration, fields["steps"], design=design, policy=policy,
+                                            budget=budget, setting=setting, checked=True)
     return GenerationResult(
         **fields, policy=policy, design=FULL if full else design, budget=1.0 if full else budget, seed=seed,
         setting=setting, context_tokens=state.context_tokens,

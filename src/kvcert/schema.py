@@ -18,14 +18,17 @@ ITEM_COLUMNS = [
 ]
 
 # Per (step, layer, kv_head) of one run: tr V̂, the certificate √(tr V̂/δ), the oracle's true error
-# ‖ô − o‖, both relative to ‖ô‖, whether the certificate covered the error, and the fraction of output
-# coordinates inside their 95% Wald interval.
+# ‖ô − o‖, both relative to ‖ô‖, whether the certificate covered the error, the fraction of output
+# coordinates inside their 95% Wald interval, the effective number of sampled terms behind tr V̂ (Kish's
+# (Σc)²/Σc² of c = (1 − π) a²) and ‖ô‖ (docs/METHOD.md §7: what a calibrated certificate is made of).
 STEP_COLUMNS = [
     "step", "layer", "kv_head", "trace_var", "cert", "true_err", "rel_cert", "rel_err", "coverage", "wald_coverage",
+    "tail_ess", "out_norm",
 ]
 
 # Stored as float32 in steps.parquet (the statistics are computed in float32).
-STEP_FLOAT32 = ["trace_var", "cert", "true_err", "rel_cert", "rel_err", "coverage", "wald_coverage"]
+STEP_FLOAT32 = ["trace_var", "cert", "true_err", "rel_cert", "rel_err", "coverage", "wald_coverage", "tail_ess",
+                "out_norm"]
 STEP_INT32 = ["step", "layer", "kv_head"]
 
 # Optional columns a calibrated run adds (kvcert.calibration): the calibrated certificate, its coverage

@@ -6,7 +6,10 @@
 //   a_i   = softmax_i(scale · q·k_i + b_i)
 //   out   = Σ_i a_i v_i
 //   var_j = Σ_{i < t} (1 − π_i) a_i² (v_ij − out_j)²
-// where only the first t slots may be sampled (the cache sorts sampled slots first).
+// where only the first t slots may be sampled (the cache sorts sampled slots first). Optionally also
+//   terms = (Σ_{i < t} c_i, Σ_{i < t} c_i²),   c_i = (1 − π_i) a_i²,
+// the weights of the variance's terms and their squares, from which the effective number of terms behind
+// var follows (docs/METHOD.md §7); they cost two additions per sampled slot and row.
 // Keys and values are read once for all R rows. The slots are split into chunks (several per KV head, so
 // that a few heads keep every thread busy): pass 1 computes each chunk's logits, softmax statistics and
 // unnormalized output; the chunks are merged; pass 2 adds each chunk's share of the variance, on the same
@@ -95,10 +98,13 @@ void weighted_sum(const float* w, int64_t w_stride, const float* v, int64_t v_st
 
 // acc[r] += Σ_i c_ri (v_i − o_r)², c_ri = (1 − π_i) (e_ri f_r)², for the RT rows of a tile; terms with
 // c below the smallest normal float are dropped (lost to rounding anyway; subnormal arithmetic is slow).
-template <int DV, int RT>
+// With TERMS, sums[2r] += Σ_i c_ri and sums[2r + 1] += Σ_i c_ri² over the same terms.
+template <int DV, int RT, bool TERMS>
 void weighted_squares(const float* e, int64_t e_stride, const float* f, const float* one_minus_pi, const float* v,
-                      int64_t v_stride, int64_t len, const float* o, int64_t o_stride, float* acc, int64_t acc_stride) {
+                      int64_t v_stride, int64_t len, const float* o, int64_t o_stride, float* acc, int64_t acc_stride,
+                      float* sums) {
   float oo[RT][DV], p[RT][DV] = {};
+  float s1[RT] = {}, s2[RT] = {};
   for (int r = 0; r < RT; ++r)
     for (int j = 0; j < DV; ++j) oo[r][j] = o[r * o_stride + j];
   for (int64_t i = 0; i < len; ++i) {
@@ -110,6 +116,10 @@ void weighted_squares(const float* e, int64_t e_stride, const float* f, const fl
       const float a = e[r * e_stride + i] * f[r];
       float c = w1 * a * a;
       c = c >= std::numeric_limits<float>::min() ? c : 0.f;
+      if (TERMS) {
+        s1[r] += c;
+        s2[r] += c * c;
+      }
 #pragma omp simd
       for (int j = 0; j < DV; ++j) {
         const float diff = vi[j] - oo[r][j];
@@ -119,6 +129,11 @@ void weighted_squares(const float* e, int64_t e_stride, const float* f, const fl
   }
   for (int r = 0; r < RT; ++r)
     for (int j = 0; j < DV; ++j) acc[r * acc_stride + j] += p[r][j];
+  if (TERMS)
+    for (int r = 0; r < RT; ++r) {
+      sums[2 * r] += s1[r];
+      sums[2 * r + 1] += s2[r];
+    }
 }
 
 // Rows per register tile for head size DV (0: no specialization, use the generic loops).
@@ -135,16 +150,27 @@ void weighted_sum_tile(int rt, const float* w, int64_t w_stride, const float* v,
   }
 }
 
+template <int DV, bool TERMS>
+void weighted_squares_rows(int rt, const float* e, int64_t e_stride, const float* f, const float* w1, const float* v,
+                           int64_t v_stride, int64_t len, const float* o, int64_t o_stride, float* acc,
+                           int64_t acc_stride, float* sums) {
+  switch (rt) {
+    case 1: return weighted_squares<DV, 1, TERMS>(e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride, sums);
+    case 2: return weighted_squares<DV, 2, TERMS>(e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride, sums);
+    case 3: return weighted_squares<DV, 3, TERMS>(e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride, sums);
+    default: return weighted_squares<DV, 4, TERMS>(e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride, sums);
+  }
+}
+
+// sums: nullptr (no terms wanted) or 2 floats per row of the tile.
 template <int DV>
 void weighted_squares_tile(int rt, const float* e, int64_t e_stride, const float* f, const float* w1, const float* v,
                            int64_t v_stride, int64_t len, const float* o, int64_t o_stride, float* acc,
-                           int64_t acc_stride) {
-  switch (rt) {
-    case 1: return weighted_squares<DV, 1>(e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride);
-    case 2: return weighted_squares<DV, 2>(e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride);
-    case 3: return weighted_squares<DV, 3>(e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride);
-    default: return weighted_squares<DV, 4>(e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride);
-  }
+                           int64_t acc_stride, float* sums) {
+  if (sums != nullptr)
+    weighted_squares_rows<DV, true>(rt, e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride, sums);
+  else
+    weighted_squares_rows<DV, false>(rt, e, e_stride, f, w1, v, v_stride, len, o, o_stride, acc, acc_stride, sums);
 }
 
 void check(const at::Tensor& t, const char* name, int64_t dim) {
@@ -155,9 +181,11 @@ void check(const at::Tensor& t, const char* name, int64_t dim) {
 }
 
 // q (B, H, R, d); k (B, H, n, d); v (B, H, n, dv); bias (B, H, 1 or R, n); one_minus_pi (B, H, t), t ≤ n,
-// 1 − π of the first t slots (0 where π = 1). Returns out and var, both (B, H, R, dv).
+// 1 − π of the first t slots (0 where π = 1). Returns out and var, both (B, H, R, dv). terms: None, or a
+// float32 (B, H, R, 2) tensor that receives (Σ c_i, Σ c_i²) per row (overwritten).
 std::tuple<at::Tensor, at::Tensor> hajek_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                              const at::Tensor& bias, const at::Tensor& one_minus_pi, double scale) {
+                                              const at::Tensor& bias, const at::Tensor& one_minus_pi, double scale,
+                                              const c10::optional<at::Tensor>& terms) {
   check(q, "q", 4);
   check(k, "k", 4);
   check(v, "v", 4);
@@ -174,6 +202,14 @@ std::tuple<at::Tensor, at::Tensor> hajek_step(const at::Tensor& q, const at::Ten
   TORCH_CHECK(one_minus_pi.size(0) == B && one_minus_pi.size(1) == H && t <= n, "hajek_step: one_minus_pi ",
               one_minus_pi.sizes(), " does not match k ", k.sizes());
 
+  const bool want_terms = terms.has_value() && terms->defined();
+  if (want_terms) {
+    check(*terms, "terms", 4);
+    TORCH_CHECK(terms->is_contiguous() && terms->size(0) == B && terms->size(1) == H && terms->size(2) == R &&
+                    terms->size(3) == 2,
+                "hajek_step: terms must be a contiguous (B, H, R, 2) tensor, got ", terms->sizes());
+    terms->zero_();
+  }
   auto out = at::empty({B, H, R, dv}, q.options());
   auto var = at::zeros({B, H, R, dv}, q.options());
   if (B * H * R == 0 || dv == 0) return {out, var};
@@ -190,6 +226,7 @@ std::tuple<at::Tensor, at::Tensor> hajek_step(const at::Tensor& q, const at::Ten
   std::vector<float> chunk_sum(BH * C * R);
   std::vector<float> chunk_out(BH * C * R * dv);
   std::vector<float> chunk_var(BH * C * R * dv, 0.f);
+  std::vector<float> chunk_terms(want_terms ? BH * C * R * 2 : 0, 0.f);
 
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
@@ -297,13 +334,15 @@ std::tuple<at::Tensor, at::Tensor> hajek_step(const at::Tensor& q, const at::Ten
       const float* wb = wp + b * ws[0] + h * ws[1] + lo;
       const float* e = expo.data() + bh * R * n + lo;
       float* acc = chunk_var.data() + task * R * dv;
+      float* sums = want_terms ? chunk_terms.data() + task * R * 2 : nullptr;
       const int tile = tile_rows(dv);
       for (int64_t r0 = 0; tile > 0 && r0 < R; r0 += tile) {
         const int rt = static_cast<int>(std::min<int64_t>(tile, R - r0));
         const float* f = chunk_max.data() + task * R + r0;
         const float* o = op + (bh * R + r0) * dv;
-        if (dv == 64) weighted_squares_tile<64>(rt, e + r0 * n, n, f, wb, vb, vs[2], len, o, dv, acc + r0 * dv, dv);
-        else weighted_squares_tile<128>(rt, e + r0 * n, n, f, wb, vb, vs[2], len, o, dv, acc + r0 * dv, dv);
+        float* s = sums != nullptr ? sums + r0 * 2 : nullptr;
+        if (dv == 64) weighted_squares_tile<64>(rt, e + r0 * n, n, f, wb, vb, vs[2], len, o, dv, acc + r0 * dv, dv, s);
+        else weighted_squares_tile<128>(rt, e + r0 * n, n, f, wb, vb, vs[2], len, o, dv, acc + r0 * dv, dv, s);
       }
       for (int64_t i = 0; tile == 0 && i < len; ++i) {
         const float* vi = vb + i * vs[2];
@@ -312,6 +351,10 @@ std::tuple<at::Tensor, at::Tensor> hajek_step(const at::Tensor& q, const at::Ten
           const float w = wb[i] * a * a;
           // below the smallest normal float the term is lost to rounding, and subnormal arithmetic is slow
           if (!(w >= std::numeric_limits<float>::min())) continue;
+          if (sums != nullptr) {
+            sums[2 * r] += w;
+            sums[2 * r + 1] += w * w;
+          }
           const float* o = op + (bh * R + r) * dv;
           float* p = acc + r * dv;
 #pragma omp simd
@@ -327,13 +370,21 @@ std::tuple<at::Tensor, at::Tensor> hajek_step(const at::Tensor& q, const at::Ten
   for (int64_t bh = 0; bh < BH; ++bh)
     for (int64_t c = 0; c < C_tail; ++c)
       for (int64_t x = 0; x < R * dv; ++x) varp[bh * R * dv + x] += chunk_var[(bh * C + c) * R * dv + x];
+  if (want_terms) {  // merged in chunk order, like the variance: independent of the thread count
+    float* tp = terms->data_ptr<float>();
+    for (int64_t bh = 0; bh < BH; ++bh)
+      for (int64_t c = 0; c < C_tail; ++c)
+        for (int64_t x = 0; x < R * 2; ++x) tp[bh * R * 2 + x] += chunk_terms[(bh * C + c) * R * 2 + x];
+  }
   return {out, var};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(kvcert, m) {
-  m.def("hajek_step(Tensor q, Tensor k, Tensor v, Tensor bias, Tensor one_minus_pi, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "hajek_step(Tensor q, Tensor k, Tensor v, Tensor bias, Tensor one_minus_pi, float scale, "
+      "Tensor(a!)? terms=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvcert, CPU, m) { m.impl("hajek_step", &hajek_step); }

@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..atomic import unwritable_reason, write_parquet_atomic, write_text_atomic
+from ..calibration import apply_calibration, calibration_summary, prepare_calibration
 from ..data import Item, is_correct, load_items, score_item
 from ..errors import ConfigError
 from ..generation import FULL, Prefill, decode_batch, eos_ids, item_seed, prefill, select
@@ -28,7 +29,8 @@ from ..kernels import attention_path
 from ..models import ModelSpec, load_model
 from ..policies import get_policy
 from ..prompts import PromptIds, build_prompt, model_limit
-from ..provenance import code_fingerprint, short
+from ..provenance import code_fingerprint, sha256_file, short
+from ..schema import CALIBRATED_ITEM_COLUMNS
 from .config import CellConfig, Configuration, validate
 from .manifest import build_manifest
 from .tables import ITEM_COLUMNS, empty_step_table, logprob_summary, summarize_steps, tag_steps
@@ -38,7 +40,7 @@ PARTS = ".parts"
 _IDENTITY_KEYS = (
     "data", "model", "policies", "designs", "budgets", "seeds", "extra_grids", "setting", "n_items", "shard", "n_shards",
     "oracle", "certify", "delta", "observation_window", "design_options", "max_context_tokens", "truncate",
-    "store_steps", "policy_options",
+    "store_steps", "policy_options", "calibration",
 )
 
 
@@ -58,6 +60,9 @@ def _identity(cfg: Mapping[str, Any], items: list[Item], fingerprint: str) -> di
 
     plain = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
     config = {k: plain.get(k) for k in _IDENTITY_KEYS}
+    calibration = config.get("calibration")
+    if calibration is not None and Path(str(calibration)).is_file():  # its content, not just its name
+        config["calibration"] = {"path": str(calibration), "sha256": sha256_file(calibration)}
     return {"config": config, "items_sha256": dataset_hash(items), "code_fingerprint": fingerprint}
 
 
@@ -117,10 +122,17 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
                 "context_tokens": state.context_tokens, "new_tokens": len(decoded.token_ids),
                 "cache_bytes": decoded.cache_bytes, "full_bytes": decoded.full_bytes, "metric": item.metric, **meta,
             })
+            if cell.calibration is not None:
+                if not conf.is_full:
+                    decoded.steps = apply_calibration(cell.calibration, decoded.steps, design=conf.design,
+                                                      policy=conf.policy, budget=conf.budget, setting=cell.setting,
+                                                      checked=True)
+                rows[-1].update(calibration_summary(decoded.steps))
             if len(decoded.steps) and cell.store_steps:
                 steps.append(tag_steps(decoded.steps, keys))
     step_frame = pd.concat(steps, ignore_index=True) if steps else empty_step_table()
-    return pd.DataFrame(rows)[ITEM_COLUMNS], step_frame
+    columns = ITEM_COLUMNS + (CALIBRATED_ITEM_COLUMNS if cell.calibration is not None else [])
+    return pd.DataFrame(rows)[columns], step_frame
 
 
 def run_cell(cfg, out_dir: str | Path) -> Path:
@@ -138,6 +150,11 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
     spec = ModelSpec.parse(OmegaConf.to_container(cfg.model, resolve=True))
     model, tokenizer = load_model(spec)
     timings["load_model"] = time.perf_counter() - start
+    if cell.calibration is not None:  # a file of another model or design is refused before anything is written
+        prepare_calibration(cell.calibration, model=model, setting=cell.setting,
+                            configurations=[(c.policy, c.design, c.budget) for c in cell.configurations() if not c.is_full],
+                            options=cell.options, delta=cell.delta, observation_window=cell.observation_window,
+                            policy_options=cell.policy_options)
     start = time.perf_counter()
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     items = load_items(data_cfg.get("name"), data_cfg, tokenizer, cell.n_items)

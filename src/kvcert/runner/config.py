@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..calibration import load_calibration
 from ..designs import DESIGNS, DesignOptions
 from ..errors import ConfigError
 from ..generation import FULL
@@ -50,6 +51,7 @@ class CellConfig:
     extra_grids: tuple[Grid, ...] = ()
     store_steps: bool = True
     policy_options: dict = field(default_factory=dict)
+    calibration: object = None  # None, "design", or a kvcert.calibration.Calibration (checked against the model later)
 
     @property
     def grids(self) -> tuple[Grid, ...]:
@@ -259,4 +261,5 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
         extra_grids=_extra_grids(cfg, seeds),
         store_steps=_flag(cfg, "store_steps", True),
         policy_options=_policy_options(cfg),
+        calibration=load_calibration(cfg.get("calibration")),
     )

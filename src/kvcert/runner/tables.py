@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..schema import ITEM_COLUMNS, KEY_COLUMNS, STEP_FLOAT32, STEP_INT32
+from ..schema import CALIBRATED_STEP_COLUMNS, ITEM_COLUMNS, KEY_COLUMNS, STEP_FLOAT32, STEP_INT32
 
 
 def summarize_steps(steps: pd.DataFrame) -> dict[str, float]:
@@ -57,7 +57,7 @@ def tag_steps(steps: pd.DataFrame, keys: dict) -> pd.DataFrame:
     out = steps.copy()
     for column in reversed(KEY_COLUMNS):
         out.insert(0, column, keys[column])
-    for column in STEP_FLOAT32:
+    for column in STEP_FLOAT32 + [c for c in CALIBRATED_STEP_COLUMNS if c in out]:
         out[column] = out[column].astype("float32")
     for column in STEP_INT32:
         out[column] = out[column].astype("int32")
