@@ -5,6 +5,11 @@ CLAIM_JSON = expand(f"{OUT}/claims/{{claim}}.json", claim=CLAIMS)
 CLAIM_FIGURES = expand(f"{FIG}/{{claim}}.{{ext}}", claim=CLAIMS, ext=["png", "pdf"])
 
 
+# A hash check of a few files: not worth a cluster job.
+localrules:
+    verify_preregistration,
+
+
 rule verify_preregistration:
     input:
         f"{REPO}/preregistration/claims.yaml",
@@ -33,4 +38,4 @@ rule claim:
         runtime=resource("claim", "runtime", 20),
     shell:
         "kvcert-claim claim={wildcards.claim} 'cells=[{params.cells}]' out={output.json} "
-        "figure_dir={FIG} scale={SCALE_NAME} prereg_root={REPO} > {log} 2>&1"
+        "figure_dir={FIG} scale={CLAIM_SCALE} prereg_root={REPO} > {log} 2>&1"

@@ -1,4 +1,4 @@
-# The scale (--config scale=smoke|default|paper) decides cells, shards, resources and output folders.
+# The scale (--config scale=smoke|default|paper|rehearse) decides cells, shards, resources and output folders.
 import difflib
 import shlex
 import subprocess
@@ -6,8 +6,15 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-from snakemake.exceptions import WorkflowError
+from kvcert.scales import (
+    ScaleError,
+    cell_overrides,
+    expand_cells,
+    load_scale,
+    longbench_subsets,
+    needs_longbench_copy,
+    shard_list,
+)
 
 REPO = Path(workflow.basedir)  # the repository; outputs go to the working directory (--directory)
 STARTED = time.time()
@@ -34,32 +41,22 @@ if not _scale_file.is_file():
 if not (REPO / "preregistration" / "prereg.lock").is_file():
     fail(f"{REPO / 'preregistration' / 'prereg.lock'} is missing: freeze the pre-registration first "
          "(make lock, i.e. kvcert-prereg lock) before running the pipeline")
-S = yaml.safe_load(_scale_file.read_text())
+try:
+    S = load_scale(SCALE_NAME, _scale_file.parent)
+    CELLS = expand_cells(S)
+except ScaleError as _err:
+    fail(str(_err))
 
 OUT = str(config.get("outdir", S["outdir"]))
 FIG = str(config.get("figure_dir", S["figure_dir"] if "outdir" not in config else f"{OUT}/figures"))
 MODELS = S["models"]
 CLAIMS = ["c1", "c2", "c3", "c4", "c5", "c6", "c7"]
-
-
-def _expand_matrix(scale):
-    """The paper scale lists models x data x settings; smaller scales list their cells directly."""
-    cells = dict(scale.get("cells") or {})
-    matrix = scale.get("matrix")
-    if matrix:
-        for model in matrix["models"]:
-            for data_name, data_overrides in matrix["data"].items():
-                for setting in matrix["settings"]:
-                    cells[f"{model}-{data_name}-{setting}"] = {
-                        "model": model,
-                        "shards": matrix["shards"],
-                        "overrides": list(data_overrides) + list(scale["grid"]) + [f"setting={setting}"],
-                    }
-    return cells
-
-
-CELLS = _expand_matrix(S)
-SHARDS = [(cell, shard) for cell, spec in CELLS.items() for shard in range(spec["shards"])]
+# A derived scale (base + substitutions) is analysed with its base's pre-registered populations.
+CLAIM_SCALE = S["claims_scale"]
+SHARDS = shard_list(CELLS)
+# LongBench cells without a data.path read one local copy, fetched once by rule fetch_longbench.
+LONGBENCH_COPY = f"{OUT}/data/longbench"
+LONGBENCH_SUBSETS = longbench_subsets(S, CELLS)
 CELL_DIRS = [f"{OUT}/cells/{cell}/shard-{shard}" for cell, shard in SHARDS]
 CELL_ITEMS = [f"{d}/items.parquet" for d in CELL_DIRS]
 CELL_STEPS = [f"{d}/steps.parquet" for d in CELL_DIRS]
@@ -67,6 +64,16 @@ CELL_STEPS = [f"{d}/steps.parquet" for d in CELL_DIRS]
 
 def resource(rule_name, key, default):
     return (S.get("resources", {}).get(rule_name) or {}).get(key, default)
+
+
+def cell_data_inputs(cell):
+    return [LONGBENCH_COPY] if needs_longbench_copy(S, cell) else []
+
+
+def cell_run_overrides(cell):
+    """The cell's kvcert-run overrides, pointed at the local LongBench copy when it reads the hub's."""
+    extra = [f"data.path={LONGBENCH_COPY}"] if needs_longbench_copy(S, cell) else []
+    return cell_overrides(S, cell) + extra
 
 
 def quoted(overrides):

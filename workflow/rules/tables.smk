@@ -1,6 +1,7 @@
-# Stage 4: paper tables: the claims table (csv, markdown, LaTeX) and the reproduction table.
+# Stage 4: paper tables: the claims table (csv, markdown, LaTeX), the reproduction table and the claims
+# of each model alone (scales with several models).
 
-TABLES = [f"{OUT}/{name}" for name in ("claims.csv", "claims.md", "claims.tex", "reproduction.csv")]
+TABLES = [f"{OUT}/{name}" for name in ("claims.csv", "claims.md", "claims.tex", "reproduction.csv", "claims_by_model.csv")]
 
 
 rule aggregate:
@@ -11,6 +12,7 @@ rule aggregate:
         md=f"{OUT}/claims.md",
         tex=f"{OUT}/claims.tex",
         reproduction=report(f"{OUT}/reproduction.csv", category="Tables", caption="../report/reproduction.rst"),
+        by_model=f"{OUT}/claims_by_model.csv",
     log:
         f"{OUT}/logs/aggregate.log",
     shell:

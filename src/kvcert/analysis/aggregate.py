@@ -3,7 +3,9 @@
 Writes, into ``--out-dir``:
 - ``claims.csv`` / ``claims.md`` / ``claims.tex``: one row per claim (estimate, 95% CI, threshold,
   verdict, the paper's verdict, agreement);
-- ``reproduction.csv``: the paper's headline numbers beside ours (``REPRODUCTION``).
+- ``reproduction.csv``: the paper's headline numbers beside ours (``REPRODUCTION``);
+- ``claims_by_model.csv``: each claim on each model's cells alone, when the cells hold several models
+  (``details.by_model`` of the claim results; only the header otherwise).
 All files are written to a temporary name and renamed, so a failed run leaves none half-written.
 """
 
@@ -24,6 +26,8 @@ from kvcert.analysis.errors import AnalysisError
 CLAIM_COLUMNS = ["claim", "title", "component", "estimate", "ci_low", "ci_high", "threshold",
                  "verdict", "paper_verdict", "agrees", "n"]
 REPRO_COLUMNS = ["quantity", "paper", "ours", "ci_low", "ci_high", "note"]
+BY_MODEL_COLUMNS = ["claim", "model", "component", "estimate", "ci_low", "ci_high", "threshold", "verdict", "agrees",
+                    "n", "error"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,16 @@ def claims_table(results: dict[str, dict]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=CLAIM_COLUMNS)
 
 
+def by_model_table(results: dict[str, dict]) -> pd.DataFrame:
+    rows = []
+    for cid in sorted(results):
+        for model, r in sorted((results[cid].get("details", {}).get("by_model") or {}).items()):
+            rows.append({"claim": cid, "model": model, **{c: r.get(c) for c in ("component", "verdict", "n", "error")},
+                         "agrees": _agrees(r.get("agrees")) if "error" not in r else None,
+                         **{c: _num(r.get(c)) for c in ("estimate", "ci_low", "ci_high", "threshold")}})
+    return pd.DataFrame(rows, columns=BY_MODEL_COLUMNS)
+
+
 def reproduction_table(results: dict[str, dict]) -> pd.DataFrame:
     rows = []
     for t in REPRODUCTION:
@@ -151,7 +165,7 @@ def _write(path: Path, text: str) -> None:
 
 
 def aggregate(paths: list[Path], out_dir: Path) -> list[Path]:
-    """Write the four tables; returns their paths."""
+    """Write the tables; returns their paths."""
     results = load_results(paths)
     if not results:
         raise AnalysisError("no claim results given")
@@ -162,6 +176,7 @@ def aggregate(paths: list[Path], out_dir: Path) -> list[Path]:
         "claims.md": to_markdown(table),
         "claims.tex": to_latex(table),
         "reproduction.csv": reproduction_table(results).to_csv(index=False),
+        "claims_by_model.csv": by_model_table(results).to_csv(index=False),
     }
     for name, text in outputs.items():
         _write(out_dir / name, text)

@@ -5,8 +5,8 @@ variance in one pass over the keys and values (``hajek_step.cpp`` states the con
 optional accelerator of ``kvcert.estimator``, which stays the reference: where no compiler is found, or
 with ``KVCERT_KERNELS=0``, ``hajek_step_op()`` returns None and callers use the PyTorch path.
 The build goes to PyTorch's extension directory (``TORCH_EXTENSIONS_DIR``), under a name that hashes the
-source, the flags, the torch version and the CPU, so that machines sharing a home directory never load
-each other's build.
+source, its path, the flags, the torch version and the CPU, so that machines (or checkouts) sharing a
+home directory never load or rebuild each other's build.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def hajek_step_op():
         from torch.utils.cpp_extension import _get_build_directory, load
 
         flags = _flags()
-        key = " ".join([*flags, torch.__version__, _cpu_signature()])  # a build links against this torch
+        # A build links against this torch; its build file names the source's path, so two checkouts
+        # sharing one extension directory would otherwise rebuild each other's kernel on every start.
+        key = " ".join([*flags, torch.__version__, _cpu_signature(), str(SOURCE.resolve())])
         digest = hashlib.sha256(SOURCE.read_bytes() + key.encode())
         name = f"kvcert_kernels_{digest.hexdigest()[:16]}"
         try:

@@ -28,6 +28,7 @@ from .config import CellConfig, ConfigError, Configuration, validate
 from .manifest import build_manifest
 from .tables import (
     ITEM_COLUMNS,
+    empty_step_table,
     logprob_summary,
     summarize_steps,
     tag_steps,
@@ -263,7 +264,7 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, prompts, p
     )
     step_parts = [pd.read_parquet(parts / f"{i:06d}.steps.parquet") for i in range(len(shard_items))]
     step_parts = [p for p in step_parts if len(p)]
-    steps_frame = pd.concat(step_parts, ignore_index=True) if step_parts else pd.DataFrame()
+    steps_frame = pd.concat(step_parts, ignore_index=True) if step_parts else empty_step_table()
     write_parquet_atomic(steps_frame, out_dir / "steps.parquet")
     write_parquet_atomic(items_frame, out_dir / "items.parquet")
     write_text_atomic(OmegaConf.to_yaml(cfg, resolve=True), out_dir / "config.yaml")

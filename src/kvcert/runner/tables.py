@@ -61,6 +61,15 @@ def tag_steps(steps: pd.DataFrame, keys: dict) -> pd.DataFrame:
     return out
 
 
+def empty_step_table() -> pd.DataFrame:
+    """A steps table with no rows but every column and dtype: a cell whose answers all stop at their first
+    token has no step attending to a compressed cache, and its table must still concatenate with others."""
+    from ..generation import STEP_COLUMNS
+
+    keys = {"item_id": "", "policy": "", "design": "", "budget": 0.0, "seed": 0, "setting": ""}
+    return tag_steps(pd.DataFrame({c: pd.Series(dtype="float64") for c in STEP_COLUMNS}), keys)
+
+
 def unwritable_reason(target: Path) -> str | None:
     """Why ``target`` (a directory to create or use) cannot be written, or None when it can.
 
