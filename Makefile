@@ -8,7 +8,8 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install model test test-fast smoke reproduce lock verify dryrun report test-slurm slurm-up slurm-down clean-smoke
+.PHONY: install model test test-fast smoke reproduce lock verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
+	rehearse-paper plan
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,7 @@ dryrun: install
 	$(SNAKEMAKE) -n --quiet rules --config scale=smoke
 	$(SNAKEMAKE) -n --quiet rules
 	$(SNAKEMAKE) -n --quiet rules --config scale=paper
+	$(SNAKEMAKE) -n --quiet rules --config scale=rehearse
 
 report: install
 	$(SNAKEMAKE) --report report.html
@@ -60,6 +62,16 @@ test-slurm: smoke
 	PATH="$(abspath $(BIN)):$$PATH" KVCERT_SLURM_REFERENCE_CLAIMS=$(abspath results/smoke/claims.csv) \
 	  KVCERT_SLURM_CONFIG="scale=smoke" KVCERT_SLURM_CLAIMS=results/smoke/claims.csv KVCERT_SLURM_SNAKEFILE=$(abspath Snakefile) \
 	  bash workflow/slurm/test-slurm.sh
+
+## The paper scale's DAG end to end through the real SLURM profile on the one-node cluster, with stand-in
+## models and data (plumbing only: the stand-ins answer nonsense). README, "Paper scale".
+rehearse-paper: install model
+	PATH="$(abspath $(BIN)):$$PATH" bash workflow/slurm/rehearse-paper.sh
+
+## Jobs, memory per cell and GPU-hours of a scale before submitting it: make plan SCALE=paper
+SCALE ?= paper
+plan: install
+	$(BIN)/kvcert-plan scale=$(SCALE)
 
 slurm-up:
 	bash workflow/slurm/cluster-up.sh

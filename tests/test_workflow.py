@@ -26,7 +26,7 @@ def snakemake(*args, timeout=1800):
     )
 
 
-@pytest.mark.parametrize("scale", ["smoke", "default", "paper"])
+@pytest.mark.parametrize("scale", ["smoke", "default", "paper", "rehearse"])
 def test_dry_run_is_clean(scale):
     proc = snakemake("-n", "--quiet", "rules", "--config", f"scale={scale}", "outdir=results/dryrun-" + scale)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -36,7 +36,7 @@ def test_dry_run_is_clean(scale):
 def test_unknown_scale_is_one_clear_line():
     proc = snakemake("-n", "--config", "scale=huge")
     assert proc.returncode != 0
-    assert "--config scale=huge: unknown scale; known: default, paper, smoke" in proc.stdout + proc.stderr
+    assert "--config scale=huge: unknown scale; known: default, paper, rehearse, smoke" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
