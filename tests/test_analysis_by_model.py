@@ -33,9 +33,10 @@ def work(tmp_path_factory):
     return tmp, cells
 
 
-def _run(work, claim, dirs):
+def _run(work, claim, dirs, name=None):
     tmp, _ = work
-    return cli.run({"claim": claim, "cells": [str(d) for d in dirs], "out": str(tmp / "claims" / f"{claim}.json"),
+    out = tmp / "claims" / f"{name or claim}.json"
+    return cli.run({"claim": claim, "cells": [str(d) for d in dirs], "out": str(out),
                     "figure_dir": str(tmp / "figs"), "prereg_root": str(tmp), "n_boot": 100})
 
 
@@ -46,7 +47,7 @@ def test_pooled_claims_report_each_model(work, claim):
     by_model = result.details["by_model"]
     assert set(by_model) == {"model-a", "model-b"}
     for model, entry in by_model.items():
-        alone = _run(work, claim, cells[model])  # the same claim on that model's cells only
+        alone = _run(work, claim, cells[model], name=f"{claim}-{model}")  # that model's cells only
         assert "by_model" not in alone.details
         assert entry["estimate"] == pytest.approx(alone.estimate, nan_ok=True)
         assert entry["verdict"] == alone.verdict and entry["n"] == alone.n
@@ -84,20 +85,23 @@ def test_aggregate_writes_the_per_model_table(work, tmp_path):
 
 def test_an_empty_steps_table_pools_with_others(tmp_path):
     """A cell whose answers all stop at their first token writes a steps table with no rows but every
-    column, so that claims can still load it beside the other cells."""
+    column and the runner's dtypes, so that claims can still load it beside the other cells."""
     from kvcert.analysis.data import REQUIRED, load_cells
-    from kvcert.runner.tables import empty_step_table
+    from kvcert.generation import STEP_COLUMNS
+    from kvcert.runner.tables import empty_step_table, tag_steps
 
-    other = synthetic.write_cell(tmp_path / "other", synthetic.SynthSpec(n_items=5, settings=("question_aware",)))
-    empty = tmp_path / "empty"
-    shutil.copytree(other, empty)
-    empty_step_table().to_parquet(empty / "steps.parquet", index=False)
-    loaded = pd.read_parquet(empty / "steps.parquet")
-    assert len(loaded) == 0 and set(REQUIRED["steps"]) <= set(loaded.columns)
-    pooled = load_cells([other, empty], "steps")
-    assert len(pooled) == len(pd.read_parquet(other / "steps.parquet"))
-    for column in ("trace_var", "true_err", "coverage"):
-        assert pooled[column].dtype.kind == "f"
+    keys = {"item_id": "i", "policy": "snapkv", "design": "poisson", "budget": 0.25, "seed": 0,
+            "setting": "streaming"}
+    rows = tag_steps(pd.DataFrame({c: [0.0, 1.0] for c in STEP_COLUMNS}), keys)
+    for name, frame in (("full", rows), ("empty", empty_step_table())):
+        (tmp_path / name).mkdir()
+        frame.to_parquet(tmp_path / name / "steps.parquet", index=False)
+    empty = pd.read_parquet(tmp_path / "empty" / "steps.parquet")
+    assert len(empty) == 0 and list(empty.columns) == list(rows.columns)
+    assert set(REQUIRED["steps"]) <= set(empty.columns)
+    assert empty.dtypes.to_dict() == rows.dtypes.to_dict()
+    pooled = load_cells([tmp_path / "full", tmp_path / "empty"], "steps")
+    assert len(pooled) == 2 and pooled.dtypes.to_dict() == rows.dtypes.to_dict()
 
 
 def test_longbench_copy_is_written_whole(tmp_path):
