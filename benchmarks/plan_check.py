@@ -5,14 +5,15 @@
 1. Host overhead per layer and forward pass: greedy decode passes (``kvcert.Decoding``, the paper's
    configurations in one batch, oracle and certificates on) of tiny bfloat16 stand-ins with 2 and 8
    layers, whose matmuls cost next to nothing; the slope over layers is the per-layer overhead.
-2. This CPU's rates at one thread: bfloat16 matmul FLOP/s and copy bandwidth.
+2. This CPU's rates at one thread: bfloat16 FLOP/s of a linear layer and copy bandwidth.
 3. Real CPU cells (``kvcert-run``, the paper scale's grid, RULER niah_single, bfloat16) on a
    Llama-shaped stand-in at each length and a short baseline: peak RSS (``wait4``) against the cost
    model's peak (weights, caches, moments, oracle, transients; the baseline takes the process's own
    footprint: Python, torch, the tokenizer), and seconds per item against the model's time with the
    rates of step 2.
 
-Prints markdown tables (README, "Paper scale"). Minutes on 2 cores; run it alone.
+Prints markdown tables (README, "Paper scale"). Minutes on 2 cores; run it alone. With ``--out DIR`` the
+stand-ins and finished cells are kept, and a rerun only recomputes the predictions.
 """
 
 from __future__ import annotations
@@ -78,22 +79,27 @@ def host_overhead(tokenizer, workdir: Path, passes: int = 24) -> dict[str, float
 
 
 def cpu_rates(repeats: int = 5) -> dict[str, float]:
+    """bfloat16 FLOP/s of a linear layer (what a prefill mostly is) and copy bytes/s, one thread, warmed up."""
+    import torch.nn.functional as F
+
     torch.set_num_threads(1)
-    a = torch.randn(1024, 1024, dtype=torch.bfloat16)
-    b = torch.randn(1024, 1024, dtype=torch.bfloat16)
-    flops = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        flops.append(2 * 1024**3 / (time.perf_counter() - start))
-    x = torch.empty(64 * 1024 * 1024, dtype=torch.float32)
-    y = torch.empty_like(x)
-    bandwidth = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        y.copy_(x)
-        bandwidth.append(2 * x.numel() * 4 / (time.perf_counter() - start))
-    return {"bf16_flops": statistics.median(flops), "bandwidth": statistics.median(bandwidth)}
+    x = torch.randn(2048, 512, dtype=torch.bfloat16)
+    w = torch.randn(1792, 512, dtype=torch.bfloat16)
+    big = torch.empty(64 * 1024 * 1024, dtype=torch.float32)
+    copy = torch.empty_like(big)
+
+    def median_seconds(fn) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    flops = 2 * x.shape[0] * x.shape[1] * w.shape[0] / median_seconds(lambda: F.linear(x, w))
+    bandwidth = 2 * big.numel() * 4 / median_seconds(lambda: copy.copy_(big))
+    return {"bf16_flops": flops, "bandwidth": bandwidth}
 
 
 def run_cell(model_dir: Path, tokens: int, setting: str, out: Path) -> dict:
@@ -103,13 +109,16 @@ def run_cell(model_dir: Path, tokens: int, setting: str, out: Path) -> dict:
                  *paper_grid_overrides(), f"setting={setting}", "threads=1", "progress=false", f"out_dir={out}"]
     script = shutil.which("kvcert-run")
     command = [script] if script else [sys.executable, "-m", "kvcert.runner.cli"]
-    proc = subprocess.Popen(command + overrides, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    stderr = proc.stderr.read()
-    if status != 0:
-        raise RuntimeError(f"kvcert-run failed at {tokens} tokens: {stderr.strip().splitlines()[-1:]}")
+    measured = out / "peak_rss.json"
+    if not measured.is_file():  # --out keeps finished cells: a rerun recomputes only the predictions
+        proc = subprocess.Popen(command + overrides, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        stderr = proc.stderr.read()
+        if status != 0:
+            raise RuntimeError(f"kvcert-run failed at {tokens} tokens: {stderr.strip().splitlines()[-1:]}")
+        measured.write_text(json.dumps({"peak_rss": usage.ru_maxrss * 1024}))
     manifest = json.loads((out / "manifest.json").read_text())
-    return {"peak_rss": usage.ru_maxrss * 1024, "seconds": manifest["wall_seconds"], "overrides": overrides}
+    return {"peak_rss": json.loads(measured.read_text())["peak_rss"], "seconds": manifest["wall_seconds"]}
 
 
 def predicted(model_dir: Path, tokens: int, setting: str, rates: dict, overhead: dict) -> tuple[dict, dict]:
@@ -146,9 +155,10 @@ def main() -> int:
     rates = cpu_rates()
     print(f"host overhead per pass ({overhead['rows']} rows): 2 layers {overhead['pass_2_layers'] * 1e3:.1f} ms, "
           f"8 layers {overhead['pass_8_layers'] * 1e3:.1f} ms -> {overhead['per_layer'] * 1e3:.2f} ms per layer")
-    print(f"this CPU, 1 thread: bf16 matmul {rates['bf16_flops'] / 1e9:.1f} GFLOP/s, copy {rates['bandwidth'] / 1e9:.1f} GB/s")
-    model_dir = build_model("llama", work / "check-model", tokenizer, layers=args.layers, kv_heads=args.kv_heads,
-                            head_dim=args.head_dim)
+    print(f"this CPU, 1 thread: bf16 linear {rates['bf16_flops'] / 1e9:.1f} GFLOP/s, copy {rates['bandwidth'] / 1e9:.1f} GB/s")
+    model_dir = work / "check-model"
+    if not (model_dir / "config.json").is_file():
+        build_model("llama", model_dir, tokenizer, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim)
     print()
     print("| setting | tokens | measured peak RSS (GB) | over baseline | predicted (model) | predicted over baseline "
           "| measured s/item | predicted s/item |")

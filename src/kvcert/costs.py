@@ -15,7 +15,7 @@ the batch rows a cell decodes together and the dtype. They follow what ``kvcert-
   sampled slots of every layer of a pass (large for the multi-token question pass of streaming);
 * the oracle: the prefill's cache is kept (it is already counted) and every pass attends to it too;
   a multi-token pass (the question, in the streaming setting) materializes float32 logits, mask and
-  weights of shape (rows, query heads, tokens, n);
+  weights of shape (rows, query heads, tokens, n), one layer at a time;
 * transients of the prefill: MLP activations, q/k/v, and H2O's accumulated attention (float32 logits
   of 256 queries at a time over all keys, the keys repeated to the query heads).
 
@@ -154,27 +154,39 @@ def prefill_transient_bytes(arch: Architecture, n: int, dtype: str, plan: CellPl
 
 
 def batch_bytes(arch: Architecture, prompt: Prompt, batch: Batch, dtype: str, plan: CellPlan) -> dict[str, int]:
-    """Memory a decode batch adds to the weights and the prefill's cache, by component."""
+    """Memory a decode batch adds to the weights and the prefill's cache at its peak, by component.
+
+    The peak is the larger of two moments of its first pass (m = the suffix tokens, or 1): during the pass,
+    the sampled slots' weights of the layers done so far are held while one layer's attention (and the
+    oracle's, over the full prefix) has its float32 logits, mask and weights alive; when the pass ends,
+    those weights are stacked once more beside the first computation of the moments (whose float32 values
+    copy is then freed while the moments stay for the later passes).
+    """
     reserve = prompt.suffix + prompt.new_tokens
     slots = retained_slots(prompt.n, batch.budget) + reserve
     cache = batch.rows * slots * slot_bytes(arch, dtype)
     m = max(prompt.suffix, 1)
-    moments = 0
-    if plan.certify and batch.budget < 1.0 and not plan.kernel_path:
+    compressed = batch.budget < 1.0
+    pending = moments = values = 0
+    if plan.certify and compressed and not plan.kernel_path:
         t = sampled_slots(prompt.n, batch.budget, plan)
         width = (2 * arch.head_dim + 1) if plan.oracle else (arch.head_dim + 2)
-        moments = arch.layers * batch.rows * arch.kv_heads * t * (arch.head_dim + width) * 4
-        # the weights of the sampled slots of every layer of a pass, kept until the pass ends, and
-        # their stacked copy: (layers, rows, query heads, m, t) float32 each
-        moments += 2 * arch.layers * batch.rows * arch.heads * m * t * 4
-    oracle = 0
-    if plan.oracle and batch.budget < 1.0:  # logits, mask, biased logits, weights over the full prefix
-        oracle = 4 * batch.rows * arch.heads * m * (prompt.n + reserve) * 4
-    attention = 3 * batch.rows * arch.heads * m * slots * 4  # the compressed pass's float32 logits, bias, weights
+        moments = arch.layers * batch.rows * arch.kv_heads * t * width * 4
+        values = arch.layers * batch.rows * arch.kv_heads * t * arch.head_dim * 4
+        pending = arch.layers * batch.rows * arch.heads * m * t * 4  # (layers, rows, query heads, m, t)
+    oracle = 3 * batch.rows * arch.heads * m * (prompt.n + reserve) * 4 if plan.oracle and compressed else 0
+    attention = 3 * batch.rows * arch.heads * m * slots * 4
     activations = batch.rows * m * (3 * arch.intermediate + 4 * arch.hidden) * DTYPE_BYTES[dtype]
     logits = batch.rows * arch.vocab * 4 * 2
-    return {"batch_cache": cache, "certificate_moments": moments, "oracle_transients": oracle,
-            "decode_transients": attention + activations + logits}
+    during = pending + max(oracle, attention, activations)
+    after = 2 * pending + values + moments
+    if during >= after:
+        parts = {"certificate_moments": pending, "oracle_transients": oracle if oracle >= attention else 0,
+                 "decode_transients": max(attention, activations) if attention > oracle else 0}
+    else:
+        parts = {"certificate_moments": after, "oracle_transients": 0, "decode_transients": 0}
+    parts["decode_transients"] += logits
+    return {"batch_cache": cache, **parts}
 
 
 def peak_bytes(arch: Architecture, prompt: Prompt, dtype: str, plan: CellPlan) -> dict[str, int]:
