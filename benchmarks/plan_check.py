@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvcert import costs  # noqa: E402
 from kvcert.plan import cell_plan, compose_cell  # noqa: E402
-from kvcert.scales import cell_overrides, expand_cells, load_scale  # noqa: E402
+from kvcert.scales import load_scale  # noqa: E402
 from kvcert.standins import build_model  # noqa: E402
 
 

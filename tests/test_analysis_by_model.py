@@ -4,25 +4,17 @@ and the per-model table; cells whose answers all stop at once still have a steps
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from kvcert.analysis import aggregate, cli, prereg, synthetic
+from kvcert.analysis import aggregate, cli, synthetic
 from kvcert.data.longbench import write_copy
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from helpers.prereg import locked_copy
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bymodel")
-    shutil.copytree(ROOT / "preregistration", tmp / "preregistration", ignore=shutil.ignore_patterns("prereg.lock"))
-    shutil.copytree(ROOT / "src" / "kvcert" / "analysis", tmp / "src" / "kvcert" / "analysis",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    prereg.write_lock(tmp)
+    tmp = locked_copy(tmp_path_factory.mktemp("bymodel"))
     cells = {}
     for i, model in enumerate(["model-a", "model-b"]):
         cells[model] = [tmp / "cells" / f"{model}-{s}" for s in ("qa", "st")]

@@ -99,20 +99,21 @@ def test_substitution_rules():
     assert substitute_overrides(["a=1", "+b=2"], {"b": [1, 2], "c": True}) == ["a=1", "b=[1,2]", "c=true"]
 
 
-def test_bad_derived_scales_are_one_line(tmp_path):
-    (tmp_path / "a.yaml").write_text("base: b\n")
-    (tmp_path / "b.yaml").write_text("base: a\n")
-    with pytest.raises(ScaleError, match="base chain loops"):
+BAD_SCALES = {  # name -> (files written, the message)
+    "loop": ({"a": "base: b\n", "b": "base: a\n"}, "base chain loops"),
+    "no-base": ({"a": "substitute: {outdir: x}\n"}, "'substitute' needs a 'base'"),
+    "unknown-base": ({"a": "base: nope\n"}, "scale=nope: unknown scale"),
+    "own-cells": ({"a": "base: b\ncells: {}\n", "b": "outdir: x\n"}, "a.yaml: cells: a derived scale lists only"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SCALES))
+def test_bad_derived_scales_are_one_line(tmp_path, case):
+    files, message = BAD_SCALES[case]
+    for name, text in files.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    with pytest.raises(ScaleError, match=message):
         load_scale("a", tmp_path)
-    (tmp_path / "c.yaml").write_text("substitute: {outdir: x}\n")
-    with pytest.raises(ScaleError, match="'substitute' needs a 'base'"):
-        load_scale("c", tmp_path)
-    (tmp_path / "d.yaml").write_text("base: nope\n")
-    with pytest.raises(ScaleError, match="scale=nope: unknown scale"):
-        load_scale("d", tmp_path)
-    (tmp_path / "e.yaml").write_text("base: c\ncells: {}\n")
-    with pytest.raises(ScaleError, match="e.yaml: cells: a derived scale lists only"):
-        load_scale("e", tmp_path)
 
 
 def test_longbench_cells_read_the_fetched_copy_unless_they_have_a_path():
