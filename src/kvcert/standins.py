@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from .architectures import published
+from .files import new_directory
 
 # Stand-in directory name -> the published architecture it shrinks.
 MODELS = {
@@ -96,20 +95,12 @@ def build_model(name: str, out_dir: str | Path, tokenizer, *, seed: int = 0, sto
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.generation_config.eos_token_id = stop_ids(tokenizer, stop_fraction, seed)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
-    try:
+    with new_directory(out_dir, replace=True) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "standin.json").write_text(json.dumps(
             {"shrinks": MODELS[name], "seed": seed, "stop_fraction": stop_fraction,
              "note": "random weights: answers are nonsense"}, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
@@ -161,7 +152,7 @@ def build_longbench(out_dir: str | Path, tokenizer, *, subsets: list[str] | None
 
     out_dir = Path(out_dir)
     if out_dir.exists():
-        shutil.rmtree(out_dir)
+        shutil.rmtree(out_dir)  # a rebuilt copy replaces the old one
     records = longbench_records(tokenizer, list(subsets or DEFAULTS["subsets"]), per_subset, tokens, seed)
     return write_copy(records, out_dir)
 

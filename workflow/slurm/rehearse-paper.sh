@@ -25,11 +25,7 @@ state_paths
 fail() { echo "rehearse-paper: FAIL: $*" >&2; exit 1; }
 say() { echo "rehearse-paper: $*" >&2; }
 
-VENV_BIN="$REPO_ROOT/.venv/bin"
-SNAKEMAKE="${SNAKEMAKE:-$([[ -x "$VENV_BIN/snakemake" ]] && echo "$VENV_BIN/snakemake" || command -v snakemake || true)}"
-PYTHON="${PYTHON:-$([[ -x "$VENV_BIN/python" ]] && echo "$VENV_BIN/python" || command -v python3 || true)}"
-[[ -n "$SNAKEMAKE" && -x "$SNAKEMAKE" ]] || fail "snakemake not found (set SNAKEMAKE)"
-[[ -n "$PYTHON" && -x "$PYTHON" ]] || fail "python not found (set PYTHON)"
+find_tools
 RUN_TIMEOUT="${KVCERT_REHEARSE_TIMEOUT:-1800}"
 OUT="results/rehearse"   # the rehearse scale's outdir (workflow/scales/rehearse.yaml)
 cd "$REPO_ROOT"

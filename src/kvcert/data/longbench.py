@@ -293,25 +293,14 @@ def write_copy(by_subset: Mapping[str, list[dict[str, Any]]], out_dir: str | Pat
 
     The files go to a temporary sibling directory first, which is renamed once every file is written.
     """
-    import os
-    import shutil
-    import tempfile
+    from ..files import new_directory
 
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise FileExistsError(f"{out_dir} already exists; remove it to fetch again")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
-    try:
+    with new_directory(out_dir) as tmp:
         for subset, records in by_subset.items():
             with open(tmp / f"{subset}.jsonl", "w", encoding="utf-8") as handle:
                 for record in records:
                     handle.write(json.dumps({k: record[k] for k in RECORD_FIELDS}, ensure_ascii=False) + "\n")
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return Path(out_dir)
 
 
 def fetch_main(argv: list[str] | None = None) -> int:
