@@ -8,7 +8,8 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install model test test-fast smoke smoke-reference reproduce reproduce-full reproduce-v1 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke
+.PHONY: install model test test-fast smoke smoke-reference reproduce reproduce-full reproduce-v1 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
+	rehearse-paper plan
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,7 +68,7 @@ sensitivity: install
 VERIFY_OUT ?= results/verify
 verify-results: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v1 outdir=$(VERIFY_OUT)
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config outdir=$(VERIFY_OUT)
+	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config outdir=$(VERIFY_OUT) archive=$(VERIFY_OUT)
 	@status=0; for table in claims.csv reproduction.csv accuracy.csv; do \
 	  if cmp -s results/$$table $(VERIFY_OUT)/$$table; then echo "verify-results: $$table identical"; \
 	  else echo "verify-results: $$table DIFFERS:"; diff results/$$table $(VERIFY_OUT)/$$table; status=1; fi; \
@@ -78,6 +79,7 @@ dryrun: install
 	$(SNAKEMAKE) -n --quiet rules
 	$(SNAKEMAKE) -n --quiet rules --config scale=paper
 	$(SNAKEMAKE) -n --quiet rules --config scale=v1
+	$(SNAKEMAKE) -n --quiet rules --config scale=rehearse
 
 report: install
 	$(SNAKEMAKE) --report report.html
@@ -97,6 +99,16 @@ test-slurm: smoke
 	PATH="$(abspath $(BIN)):$$PATH" KVCERT_SLURM_REFERENCE_CLAIMS=$(abspath results/smoke/claims.csv) \
 	  KVCERT_SLURM_CONFIG="scale=smoke" KVCERT_SLURM_CLAIMS=results/smoke/claims.csv KVCERT_SLURM_SNAKEFILE=$(abspath Snakefile) \
 	  bash workflow/slurm/test-slurm.sh
+
+## The paper scale's DAG end to end through the real SLURM profile on the one-node cluster, with stand-in
+## models and data (plumbing only: the stand-ins answer nonsense). README, "Paper scale".
+rehearse-paper: install model
+	PATH="$(abspath $(BIN)):$$PATH" bash workflow/slurm/rehearse-paper.sh
+
+## Jobs, memory per cell and GPU-hours of a scale before submitting it: make plan SCALE=paper
+SCALE ?= paper
+plan: install
+	$(BIN)/kvcert-plan scale=$(SCALE)
 
 slurm-up:
 	bash workflow/slurm/cluster-up.sh

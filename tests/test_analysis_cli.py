@@ -14,19 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from kvcert.analysis import aggregate, cli, prereg, synthetic
+from kvcert.analysis import aggregate, cli, synthetic
 from kvcert.analysis.errors import AnalysisError, PreregistrationError
+
+from helpers.prereg import locked_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("claimrun")
-    shutil.copytree(ROOT / "preregistration", tmp / "preregistration", ignore=shutil.ignore_patterns("prereg.lock"))
-    shutil.copytree(ROOT / "src" / "kvcert" / "analysis", tmp / "src" / "kvcert" / "analysis",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    prereg.write_lock(tmp)
+    tmp = locked_copy(tmp_path_factory.mktemp("claimrun"))
     synthetic.write_cell(tmp / "cells" / "qa", synthetic.SynthSpec(n_items=40, settings=("question_aware",)))
     synthetic.write_cell(tmp / "cells" / "st", synthetic.SynthSpec(n_items=40, settings=("streaming",), seed=1))
     return tmp
@@ -107,7 +105,7 @@ def test_aggregate_writes_all_columns(work, tmp_path):
     assert list(repro[0]) == aggregate.REPRO_COLUMNS and len(repro) == len(aggregate.REPRODUCTION)
     assert all(r["ours"] != "" for r in repro)
     assert "\\toprule" in (tmp_path / "tables" / "claims.tex").read_text()
-    assert (tmp_path / "tables" / "claims.md").read_text().startswith("| claim |")
+    assert (tmp_path / "tables" / "claims.md").read_text().startswith("| study | prereg | claim |")
 
 
 def test_cells_of_different_code_are_refused_unless_allowed(work, tmp_path):

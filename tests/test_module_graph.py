@@ -17,16 +17,18 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "kvcert"
 # module or a subpackage (``kvcert.runner`` covers every ``kvcert.runner.*`` module).
 LAYERS = {
     "kvcert.errors": 0, "kvcert.defaults": 0, "kvcert.schema": 0, "kvcert.atomic": 0, "kvcert.provenance": 0,
+    "kvcert.gpu_slots": 0,
     "kvcert.hydra_app": 1, "kvcert.estimator": 1, "kvcert.sampling": 1, "kvcert.prompts": 1, "kvcert.kernels": 1,
-    "kvcert.data": 1,
-    "kvcert.designs": 2, "kvcert.policies": 2, "kvcert.models": 2,
-    "kvcert.certificates": 3, "kvcert.calibration": 3,
+    "kvcert.data": 1, "kvcert.hub": 1,
+    "kvcert.designs": 2, "kvcert.policies": 2, "kvcert.models": 2, "kvcert.scales": 2,
+    "kvcert.certificates": 3, "kvcert.calibration": 3, "kvcert.architectures": 3,
     "kvcert.cache": 4,
     "kvcert.attention": 5,
     "kvcert.generation": 6,
-    "kvcert.theory": 7, "kvcert.costs": 7,
+    "kvcert.theory": 7, "kvcert.costs": 7, "kvcert.standins": 7,
     "kvcert.runner": 8, "kvcert.analysis": 8,
-    "kvcert": 9,  # the package's lazy public namespace
+    "kvcert.plan": 9,  # plans a scale's cells as the runner would compose them
+    "kvcert": 10,  # the package's lazy public namespace
 }
 
 

@@ -60,7 +60,7 @@ def scheduled_jobs(proc) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("scale", ["smoke", "default", "paper", "v1"])
+@pytest.mark.parametrize("scale", ["smoke", "default", "paper", "v1", "rehearse"])
 def test_dry_run_is_clean(scale):
     proc = snakemake("-n", "--quiet", "rules", "--config", f"scale={scale}", "outdir=results/dryrun-" + scale)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -70,7 +70,7 @@ def test_dry_run_is_clean(scale):
 def test_unknown_scale_is_one_clear_line():
     proc = snakemake("-n", "--config", "scale=huge")
     assert proc.returncode != 0
-    assert "--config scale=huge: unknown scale; known: default, paper, smoke" in proc.stdout + proc.stderr
+    assert "--config scale=huge: unknown scale; known: default, paper, rehearse, sensitivity, smoke, v1, v2-full" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

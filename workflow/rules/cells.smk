@@ -1,10 +1,15 @@
 # Stage 2: cells. One job per (study, cell, shard): every configuration of the shard's items on one prefill.
 # A killed job leaves its finished items under <shard>/.parts; the rerun resumes from them.
+# Cells never touch the network (HF_HUB_OFFLINE=1): models and LongBench were fetched by local rules
+# on the host that runs snakemake, which on a cluster is the one with the network.
+
+GPUS_PER_CELL = int(S.get("gpus_per_cell", 0))
 
 
 rule cell:
     input:
         model=lambda wc: f"{OUT}/models/{CELLS[(wc.study, wc.cell)]['model']}.json",
+        data=lambda wc: cell_data_inputs(CELLS[(wc.study, wc.cell)]),
     output:
         item_table=f"{OUT}/{{study}}/cells/{{cell}}/shard-{{shard}}/items.parquet",
         step_table=f"{OUT}/{{study}}/cells/{{cell}}/shard-{{shard}}/steps.parquet",
@@ -15,14 +20,20 @@ rule cell:
         study="|".join(CELL_STUDIES) or "no-study",
     params:
         code=CODE_FINGERPRINT,  # reruns the cell when the library changes
-        overrides=lambda wc: quoted(MODELS[CELLS[(wc.study, wc.cell)]["model"]] + CELLS[(wc.study, wc.cell)]["overrides"]),
+        overrides=lambda wc: quoted(cell_run_overrides(CELLS[(wc.study, wc.cell)])),
         n_shards=lambda wc: CELLS[(wc.study, wc.cell)]["shards"],
         out_dir=lambda wc: f"{OUT}/{wc.study}/cells/{wc.cell}/shard-{wc.shard}",
     threads: S.get("threads_per_cell", 1)
     resources:
         mem_mb=resource("cell", "mem_mb", 6000),
         runtime=resource("cell", "runtime", 120),
-        gpus=S.get("gpus_per_cell", 0),
+        # `gpus` is what a one-machine run counts (snakemake --cores C --resources gpus=N: at most N GPU
+        # cells at once); `gpu` is what the SLURM executor requests (--gpus); profiles may override it.
+        gpus=GPUS_PER_CELL,
+        gpu=GPUS_PER_CELL,
     shell:
+        # kvcert-gpu-slot gives the cell GPUs no other cell holds (CUDA_VISIBLE_DEVICES); with 0 GPUs
+        # it runs kvcert-run as it is.
+        "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 kvcert-gpu-slot --gpus {resources.gpu} -- "
         "kvcert-run {params.overrides} shard={wildcards.shard} n_shards={params.n_shards} "
         "threads={threads} out_dir={params.out_dir} > {log} 2>&1"

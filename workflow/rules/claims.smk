@@ -4,8 +4,13 @@
 
 from kvcert.analysis.prereg import frozen_files
 
-CLAIM_JSON = [f"{OUT}/{study}/claims/{claim}.json" for study in STUDIES for claim in CLAIMS]
+CLAIM_JSON = [f"{study_dir(study)}/claims/{claim}.json" for study in STUDIES for claim in CLAIMS]
 CLAIM_FIGURES = [f"{FIG}/{study}/{claim}.{ext}" for study in COMPUTED for claim in CLAIMS for ext in ("png", "pdf")]
+
+
+# A hash check of a few files: not worth a cluster job.
+localrules:
+    verify_preregistration,
 
 
 rule verify_preregistration:
@@ -34,6 +39,7 @@ rule claim:
         f"{OUT}/logs/claims/{{study}}-{{claim}}.log",
     wildcard_constraints:
         study="|".join(COMPUTED) or "no-study",
+        claim="|".join(CLAIMS),
     params:
         analysis=ANALYSIS_FINGERPRINT,  # reruns the claim when the analysis code or pre-registration changes
         cells=lambda wc: ",".join(cell_dirs(wc.study)),

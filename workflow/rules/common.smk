@@ -1,19 +1,17 @@
-# The scale (--config scale=smoke|default|paper|v1) decides studies, cells, shards, resources and output folders.
+# The scale (--config scale=smoke|default|paper|v1|rehearse|…) decides studies, cells, shards, resources and output folders.
 #
 # A study is one pre-registration version applied to its cells: <outdir>/<study>/cells/<cell>/shard-<k>/,
 # <outdir>/<study>/claims/<claim>.json, <figure_dir>/<study>/<claim>.png. A scale lists its studies under
 # `studies:` (each with `prereg:` and `cells:`, `cells_from: <study>` to analyse another study's cells, or
 # `archived: true` for a study whose committed claim results and accuracy table are read as they are), or
-# is one study (top-level `cells:` or `matrix:`, version `prereg:`). The tables pool every study.
+# is one study (top-level `cells:` or `matrix:`, version `prereg:`). The tables pool every study. A derived
+# scale (`base:` + `substitute:`) is its base with some values swapped (kvcert.scales).
 import difflib
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import yaml
-from snakemake.exceptions import WorkflowError
 
 REPO = Path(workflow.basedir)  # the repository; outputs go to the working directory (--directory)
 STARTED = time.time()
@@ -25,7 +23,7 @@ def fail(message):
     raise SystemExit(1)
 
 
-CONFIG_KEYS = ("scale", "outdir", "figure_dir")
+CONFIG_KEYS = ("scale", "outdir", "figure_dir", "archive")
 for _key in config:
     if _key not in CONFIG_KEYS:
         _close = difflib.get_close_matches(str(_key), CONFIG_KEYS, n=1)
@@ -36,7 +34,28 @@ _scale_file = REPO / "workflow" / "scales" / f"{SCALE_NAME}.yaml"
 if not _scale_file.is_file():
     _known = sorted(p.stem for p in _scale_file.parent.glob("*.yaml"))
     fail(f"--config scale={SCALE_NAME}: unknown scale; known: {', '.join(_known)}")
-S = yaml.safe_load(_scale_file.read_text())
+try:
+    from kvcert.scales import (
+        ScaleError,
+        cell_overrides,
+        exploratory,
+        load_scale,
+        longbench_subsets,
+        needs_longbench_copy,
+        shard_list,
+        studies,
+        study_cells,
+    )
+except ImportError as _err:
+    fail(f"kvcert is not importable by this snakemake's Python ({_err}): install the project (make install) and "
+         "run the snakemake of that environment")
+try:
+    S = load_scale(SCALE_NAME, _scale_file.parent)
+    STUDIES = studies(S)
+    EXPLORATORY = exploratory(S)
+    CELLS = study_cells(S)
+except ScaleError as _err:
+    fail(str(_err))
 
 # Code fingerprints (kvcert.provenance): a job reruns when the code that decides its numbers changes
 # (Snakemake's params rerun trigger), and only then: an edit of README.md reruns nothing.
@@ -52,61 +71,17 @@ OUT = str(config.get("outdir", S["outdir"]))
 FIG = str(config.get("figure_dir", S["figure_dir"] if "outdir" not in config else f"{OUT}/figures"))
 MODELS = S["models"]
 CLAIMS = ["c1", "c2", "c3", "c4", "c5", "c6", "c7"]
-
-
-def _expand_matrix(scale):
-    """The paper scale lists models x data x settings; smaller scales list their cells directly."""
-    cells = dict(scale.get("cells") or {})
-    matrix = scale.get("matrix")
-    if matrix:
-        for model in matrix["models"]:
-            for data_name, data_overrides in matrix["data"].items():
-                for setting in matrix["settings"]:
-                    cells[f"{model}-{data_name}-{setting}"] = {
-                        "model": model,
-                        "shards": matrix["shards"],
-                        "overrides": list(data_overrides) + list(scale["grid"]) + [f"setting={setting}"],
-                    }
-    return cells
-
-
-def _studies(scale):
-    """{study: {"prereg": version, "cells": {cell: spec}, "source": study whose cells it reads, "archived"}}."""
-    if "studies" not in scale:
-        if not scale.get("cells") and not scale.get("matrix"):
-            return {}  # an exploratory-only scale
-        version = int(scale.get("prereg", 1))
-        return {f"v{version}": {"prereg": version, "cells": _expand_matrix(scale), "source": f"v{version}",
-                                "archived": False}}
-    out = {}
-    for name, spec in scale["studies"].items():
-        source = spec.get("cells_from", name)
-        if source not in scale["studies"]:
-            fail(f"{_scale_file.name}: study {name}: cells_from={source} is not a study of this scale")
-        out[name] = {"prereg": int(spec["prereg"]), "cells": _expand_matrix(scale["studies"][source]),
-                     "source": source, "archived": bool(spec.get("archived", False))}
-    return out
-
-
-STUDIES = _studies(S)
-# Exploratory studies (`exploratory:` in a scale): cells run like any others, analysed by their own rules
-# (workflow/rules/exploratory.smk), never by the pre-registered claims. Each lists `base` overrides and
-# `variants` (name -> overrides added to the base): one cell per variant.
-EXPLORATORY = {
-    name: {"cells": {variant: {"model": spec["model"], "shards": spec.get("shards", 1),
-                               "overrides": [*spec["base"], *extra]}
-                     for variant, extra in spec["variants"].items()}}
-    for name, spec in (S.get("exploratory") or {}).items()
-}
-PREREG_SCALE = str(S.get("prereg_scale", SCALE_NAME))  # the pre-registered scale whose populations it runs
+# The pre-registered scale whose claim populations apply: the scale's `prereg_scale`, else the root of
+# its `base` chain (a derived scale is analysed with its base's populations).
+PREREG_SCALE = str(S.get("prereg_scale", S["claims_scale"]))
 COMPUTED = [name for name, st in STUDIES.items() if not st["archived"]]
 ARCHIVED = [name for name, st in STUDIES.items() if st["archived"]]
 # Cells are run once per study that owns them (not for a study that reads another's).
-CELL_STUDIES = sorted({STUDIES[name]["source"] for name in COMPUTED} | set(EXPLORATORY))
-_CELLS_OF = {**{name: STUDIES[name]["cells"] for name in COMPUTED}, **{n: e["cells"] for n, e in EXPLORATORY.items()}}
-SHARDS = [(study, cell, shard) for study in CELL_STUDIES for cell, spec in _CELLS_OF[study].items()
-          for shard in range(spec["shards"])]
-CELLS = {(study, cell): spec for study in CELL_STUDIES for cell, spec in _CELLS_OF[study].items()}
+CELL_STUDIES = sorted({study for study, _ in CELLS})
+SHARDS = [(study, cell, shard) for (study, cell), shard in shard_list(CELLS)]
+# LongBench cells without a data.path read one local copy, fetched once by rule fetch_longbench.
+LONGBENCH_COPY = f"{OUT}/data/longbench"
+LONGBENCH_SUBSETS = longbench_subsets(S, CELLS)
 
 
 def cell_dirs(study):
@@ -129,15 +104,45 @@ for _version in sorted({st["prereg"] for st in STUDIES.values()}):
             _how = "make lock, i.e. kvcert-prereg lock" if _n == 1 else f"kvcert-prereg lock --amendment {_n}"
             fail(f"{REPO / VERSIONS[_n].lock} is missing: freeze the pre-registration first ({_how}) before "
                  "running the pipeline")
+# Archived studies are read where they are committed (the scale's outdir in the repository), whatever
+# --config outdir says; --config archive=DIR reads them from DIR instead (make verify-results does).
+ARCHIVE = str(config.get("archive", REPO / S["outdir"]))
+
+
+def study_dir(study):
+    """Where a study's claim results and accuracy table are: the archive for archived studies, else OUT."""
+    return f"{ARCHIVE}/{study}" if study in ARCHIVED else f"{OUT}/{study}"
+
+
 for _study in ARCHIVED:
     for _name in [*(f"claims/{c}.json" for c in CLAIMS), "accuracy.csv"]:
-        if not Path(f"{OUT}/{_study}/{_name}").is_file():
-            fail(f"{OUT}/{_study}/{_name} is missing: study {_study} is archived in scale {SCALE_NAME}; "
+        if not Path(f"{study_dir(_study)}/{_name}").is_file():
+            fail(f"{study_dir(_study)}/{_name} is missing: study {_study} is archived in scale {SCALE_NAME}; "
                  f"regenerate it with its own scale (e.g. make reproduce-{_study})")
 
 
 def resource(rule_name, key, default):
     return (S.get("resources", {}).get(rule_name) or {}).get(key, default)
+
+
+def cell_data_inputs(cell):
+    return [LONGBENCH_COPY] if needs_longbench_copy(S, cell) else []
+
+
+def cell_run_overrides(cell):
+    """The cell's kvcert-run overrides, pointed at the local LongBench copy when it reads the hub's."""
+    extra = [f"data.path={LONGBENCH_COPY}"] if needs_longbench_copy(S, cell) else []
+    return cell_overrides(S, cell) + extra
+
+
+def cell_data_inputs(cell):
+    return [LONGBENCH_COPY] if needs_longbench_copy(S, cell) else []
+
+
+def cell_run_overrides(cell):
+    """The cell's kvcert-run overrides, pointed at the local LongBench copy when it reads the hub's."""
+    extra = [f"data.path={LONGBENCH_COPY}"] if needs_longbench_copy(S, cell) else []
+    return cell_overrides(S, cell) + extra
 
 
 def quoted(overrides):

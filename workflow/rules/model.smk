@@ -1,9 +1,10 @@
-# Stage 1: fetch and convert each model once (the bundled GGUF is de-quantized and cached).
-# A local rule: on SLURM it runs on the submit host, where the network is (compute nodes often have none).
+# Stage 1: fetch what the cells read, once, where the network is. These are local rules: on a cluster
+# they run on the host that runs snakemake (compute nodes often have no network), and the cells then
+# load the cached copies offline.
 
 localrules:
     fetch_model,
-
+    fetch_longbench,
 
 
 rule fetch_model:
@@ -13,8 +14,18 @@ rule fetch_model:
         f"{OUT}/logs/fetch_model/{{model}}.log",
     params:
         overrides=lambda wc: quoted(MODELS[wc.model]),
-    resources:
-        mem_mb=resource("cell", "mem_mb", 4000),
-        runtime=60,
     shell:
         "kvcert-fetch-model {params.overrides} --out {output} > {log} 2>&1"
+
+
+# LongBench cells without a data.path read this local copy (every subset of the scale's cells, as
+# LongBench JSON lines); with a data.path they read theirs and this rule does not run.
+rule fetch_longbench:
+    output:
+        directory(LONGBENCH_COPY),
+    log:
+        f"{OUT}/logs/fetch_longbench.log",
+    params:
+        subsets=lambda wc: ",".join(LONGBENCH_SUBSETS),
+    shell:
+        "kvcert-fetch-longbench --subsets {params.subsets} --out {output} > {log} 2>&1"

@@ -1,8 +1,10 @@
 # Stage 4: paper tables over every study of the scale: the claims table (csv, markdown, LaTeX; one row per
-# study and claim, with its pre-registration version), the reproduction table and accuracy per task.
+# study and claim, with its pre-registration version), the reproduction table, accuracy per task and the
+# claims of each model alone (studies with several models).
 
-TABLES = [f"{OUT}/{name}" for name in ("claims.csv", "claims.md", "claims.tex", "reproduction.csv", "accuracy.csv")]
-STUDY_ACCURACY = [f"{OUT}/{study}/accuracy.csv" for study in STUDIES]
+TABLES = [f"{OUT}/{name}" for name in ("claims.csv", "claims.md", "claims.tex", "reproduction.csv", "accuracy.csv",
+                                     "claims_by_model.csv")]
+STUDY_ACCURACY = [f"{study_dir(study)}/accuracy.csv" for study in STUDIES]
 
 
 rule accuracy:
@@ -31,6 +33,7 @@ rule aggregate:
         tex=f"{OUT}/claims.tex",
         reproduction=report(f"{OUT}/reproduction.csv", category="Tables", caption="../report/reproduction.rst"),
         accuracy=f"{OUT}/accuracy.csv",
+        by_model=f"{OUT}/claims_by_model.csv",
     log:
         f"{OUT}/logs/aggregate.log",
     params:

@@ -93,7 +93,8 @@ SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU_Memory
 DefMemPerCPU=$def_mem
-MinJobAge=600
+# finished jobs stay visible to squeue/scontrol for an hour (status polling, and the checks after a run)
+MinJobAge=3600
 ReturnToService=2
 # reject jobs that can never run here (instead of leaving them pending forever)
 EnforcePartLimits=ALL

@@ -62,3 +62,13 @@ recorded_pid() {
   [[ -f "$PIDS_FILE" ]] || return 0
   awk -v n="$1" '$1 == n { p = $2 } END { if (p != "") print p }' "$PIDS_FILE"
 }
+
+# SNAKEMAKE and PYTHON as given, else the repository's .venv, else the first on PATH; the caller's fail()
+# reports a missing one. Sets VENV_BIN too.
+find_tools() {
+  VENV_BIN="$REPO_ROOT/.venv/bin"
+  SNAKEMAKE="${SNAKEMAKE:-$([[ -x "$VENV_BIN/snakemake" ]] && echo "$VENV_BIN/snakemake" || command -v snakemake || true)}"
+  PYTHON="${PYTHON:-$([[ -x "$VENV_BIN/python" ]] && echo "$VENV_BIN/python" || command -v python3 || true)}"
+  [[ -n "$SNAKEMAKE" && -x "$SNAKEMAKE" ]] || fail "snakemake not found (set SNAKEMAKE)"
+  [[ -n "$PYTHON" && -x "$PYTHON" ]] || fail "python not found (set PYTHON)"
+}

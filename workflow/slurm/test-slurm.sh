@@ -34,11 +34,7 @@ state_paths
 fail() { echo "test-slurm: FAIL: $*" >&2; exit 1; }
 say() { echo "test-slurm: $*" >&2; }
 
-VENV_BIN="$REPO_ROOT/.venv/bin"
-SNAKEMAKE="${SNAKEMAKE:-$([[ -x "$VENV_BIN/snakemake" ]] && echo "$VENV_BIN/snakemake" || command -v snakemake || true)}"
-PYTHON="${PYTHON:-$([[ -x "$VENV_BIN/python" ]] && echo "$VENV_BIN/python" || command -v python3 || true)}"
-[[ -n "$SNAKEMAKE" && -x "$SNAKEMAKE" ]] || fail "snakemake not found (set SNAKEMAKE)"
-[[ -n "$PYTHON" && -x "$PYTHON" ]] || fail "python not found (set PYTHON)"
+find_tools
 
 SNAKEFILE="${KVCERT_SLURM_SNAKEFILE:-$REPO_ROOT/workflow/Snakefile}"
 WORKDIR="$(realpath -m "${KVCERT_SLURM_WORKDIR:-$REPO_ROOT/outputs/slurm-test}")"

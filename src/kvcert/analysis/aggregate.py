@@ -4,7 +4,9 @@ Writes, into ``--out-dir``:
 - ``claims.csv`` / ``claims.md`` / ``claims.tex``: one row per study and claim (the pre-registration
   version the verdict comes from, estimate, 95% CI, threshold, verdict, the paper's verdict, agreement);
 - ``reproduction.csv``: the paper's headline numbers beside ours, per study (``REPRODUCTION``);
-- ``accuracy.csv``: the studies' accuracy tables (``--accuracy``), one after the other.
+- ``accuracy.csv``: the studies' accuracy tables (``--accuracy``), one after the other;
+- ``claims_by_model.csv``: each claim on each model's cells alone, per study, when a study's cells hold
+  several models (``details.by_model`` of the claim results; only the header otherwise).
 A study is named by the folder above a result's ``claims/`` folder. All files are written to a temporary
 name and renamed, so a failed run leaves none half-written.
 """
@@ -26,6 +28,8 @@ from kvcert.atomic import write_text_atomic
 CLAIM_COLUMNS = ["study", "prereg", "claim", "title", "component", "estimate", "ci_low", "ci_high", "threshold",
                  "verdict", "paper_verdict", "agrees", "n"]
 REPRO_COLUMNS = ["study", "quantity", "paper", "ours", "ci_low", "ci_high", "note"]
+BY_MODEL_COLUMNS = ["study", "claim", "model", "component", "estimate", "ci_low", "ci_high", "threshold", "verdict",
+                    "agrees", "n", "error"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,19 @@ def claims_table(studies: dict[str, dict[str, dict]]) -> pd.DataFrame:
                          "study": study, "prereg": int(r.get("details", {}).get("prereg_version", 1)),
                          **{c: _num(r.get(c)) for c in ("estimate", "ci_low", "ci_high", "threshold")}})
     return pd.DataFrame(rows, columns=CLAIM_COLUMNS)
+
+
+def by_model_table(studies: dict[str, dict[str, dict]]) -> pd.DataFrame:
+    rows = []
+    for study in sorted(studies):
+        results = studies[study]
+        for cid in sorted(results):
+            for model, r in sorted((results[cid].get("details", {}).get("by_model") or {}).items()):
+                rows.append({"study": study, "claim": cid, "model": model,
+                             **{c: r.get(c) for c in ("component", "verdict", "n", "error")},
+                             "agrees": _agrees(r.get("agrees")) if "error" not in r else None,
+                             **{c: _num(r.get(c)) for c in ("estimate", "ci_low", "ci_high", "threshold")}})
+    return pd.DataFrame(rows, columns=BY_MODEL_COLUMNS)
 
 
 def reproduction_table(studies: dict[str, dict[str, dict]]) -> pd.DataFrame:
@@ -186,6 +203,7 @@ def aggregate(paths: list[Path], out_dir: Path, accuracy: list[Path] | None = No
         "claims.md": to_markdown(table),
         "claims.tex": to_latex(table),
         "reproduction.csv": reproduction_table(results).to_csv(index=False),
+        "claims_by_model.csv": by_model_table(results).to_csv(index=False),
     }
     if accuracy is not None:
         outputs["accuracy.csv"] = accuracy_tables(accuracy).to_csv(index=False)

@@ -109,10 +109,48 @@ def run(cfg: dict) -> claims.ClaimResult:
     result.details["provenance"] = {"cell_code_fingerprints": fingerprints,
                                     "analysis_fingerprint": analysis_fingerprint(root),
                                     "allow_mixed_code": bool(cfg["allow_mixed_code"])}
+    by_model = claims_by_model(run_claim, claim_id, dirs, needed, spec, doc["conventions"], opts)
+    if by_model:
+        result.details["by_model"] = by_model
     if cfg.get("figures", True):
         result.details["figures"] = [str(p) for p in figures.save(result, cfg.get("figure_dir") or "paper_figures")]
     write_json_atomic(result.to_dict(), Path(cfg["out"]))
     return result
+
+
+BY_MODEL_FIELDS = ("estimate", "ci_low", "ci_high", "threshold", "verdict", "agrees", "n", "component")
+
+
+def claims_by_model(run_claim, claim_id: str, dirs: list[Path], needed: tuple[str, ...], spec: dict,
+                    conventions: dict, opts: claims.Options) -> dict[str, dict]:
+    """The same pre-registered claim on each model's cells alone, when the cells hold several models.
+
+    Cells are split by the ``model`` column of their items table (a cell runs one model; step tables do
+    not name the model). A model whose cells cannot carry the claim on their own gets its one-line
+    error instead of a result. Returns {} for cells of a single model. ``run_claim`` is the analysis of the
+    pre-registration version the claim is run under.
+    """
+    import pandas as pd
+
+    cells_of: dict[str, list[Path]] = {}
+    for d in dirs:
+        try:
+            names = pd.read_parquet(d / "items.parquet", columns=["model"])["model"].dropna().unique()
+        except (KeyError, ValueError, OSError):  # no model column: nothing to split by
+            return {}
+        for name in names:
+            cells_of.setdefault(str(name), []).append(d)
+    if len(cells_of) < 2:
+        return {}
+    out: dict[str, dict] = {}
+    for model, model_dirs in sorted(cells_of.items()):
+        try:
+            tables = claims.Tables(**{t: data.load_cells(model_dirs, t) for t in needed})
+            result = run_claim(claim_id, tables, spec, conventions, opts).to_dict()
+            out[model] = {k: result[k] for k in BY_MODEL_FIELDS}
+        except (AnalysisError, ValueError) as err:
+            out[model] = {"error": " ".join(str(err).split())}
+    return out
 
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf" / "claim"

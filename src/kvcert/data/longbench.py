@@ -283,3 +283,52 @@ def load_longbench(cfg: Mapping[str, Any], tokenizer: Any, n_items: int | None) 
                              f"are available in {', '.join(subsets)}")
         chosen = chosen[:n_items]
     return [record_to_item(record, subset, tokenizer, budget) for subset, record in chosen]
+
+
+# ----------------------------------------------------------------------------- a local copy
+
+
+def write_copy(by_subset: Mapping[str, list[dict[str, Any]]], out_dir: str | Path) -> Path:
+    """Write records as ``{subset}.jsonl`` files in a new directory ``out_dir`` (a complete copy or none).
+
+    The files go to a temporary sibling directory first, which is renamed once every file is written.
+    """
+    from ..atomic import new_directory
+
+    with new_directory(out_dir) as tmp:
+        for subset, records in by_subset.items():
+            with open(tmp / f"{subset}.jsonl", "w", encoding="utf-8") as handle:
+                for record in records:
+                    handle.write(json.dumps({k: record[k] for k in RECORD_FIELDS}, ensure_ascii=False) + "\n")
+    return Path(out_dir)
+
+
+def fetch_main(argv: list[str] | None = None) -> int:
+    """``kvcert-fetch-longbench --subsets a,b --out DIR``: a local LongBench copy for ``data.path``.
+
+    Reads the subsets from the Hugging Face hub (needs the network) and writes one JSON-lines file per
+    subset in LongBench's record schema, which ``data=longbench data.path=DIR`` then reads offline.
+    """
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="kvcert-fetch-longbench", description=fetch_main.__doc__.split("\n\n")[0])
+    parser.add_argument("--subsets", default=",".join(DEFAULTS["subsets"]), help="comma-separated subset names")
+    parser.add_argument("--out", required=True, help="directory to create ({subset}.jsonl files)")
+    parser.add_argument("--hub-id", default=DEFAULTS["hub_id"])
+    parser.add_argument("--split", default=DEFAULTS["split"])
+    args = parser.parse_args(argv)
+    subsets = [s.strip() for s in args.subsets.split(",") if s.strip()]
+    try:
+        if not subsets:
+            raise ValueError("--subsets is empty")
+        for subset in subsets:
+            _check_subset(subset)
+        by_subset = {s: _records_from_hub(args.hub_id, s, args.split) for s in subsets}
+        out = write_copy(by_subset, args.out)
+    except (ValueError, RuntimeError, ImportError, OSError) as err:
+        print(f"kvcert-fetch-longbench: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    counts = ", ".join(f"{s} {len(r)}" for s, r in by_subset.items())
+    print(f"kvcert-fetch-longbench: wrote {out} ({counts} records)", file=sys.stderr)
+    return 0

@@ -64,8 +64,11 @@ def _flags() -> list[str]:
 
 
 def build_name() -> str:
-    """The extension's name: hashes the source, flags, torch version and CPU (a build links against them)."""
-    key = " ".join([*_flags(), torch.__version__, _cpu_signature()])
+    """The extension's name: hashes the source, flags, torch version and CPU (a build links against them).
+
+    The source's path is in the key too: a build file names it, so two checkouts sharing one extension
+    directory would otherwise rebuild each other's kernel on every start."""
+    key = " ".join([*_flags(), torch.__version__, _cpu_signature(), str(SOURCE.resolve())])
     return f"kvcert_kernels_{hashlib.sha256(SOURCE.read_bytes() + key.encode()).hexdigest()[:16]}"
 
 

@@ -30,13 +30,19 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = compose([a for a in argv if a.startswith(("model", "+model"))] + ["out_dir=unused"])
         spec = ModelSpec.parse(OmegaConf.to_container(cfg.model, resolve=True))
-        model, _ = load_model(spec)
+        if spec.kind == "hf":  # download only: the fetching host may have no GPU and little memory (kvcert.hub)
+            from ..hub import fetch
+
+            described = fetch(str(spec.name))
+        else:
+            model, _ = load_model(spec)
+            described = {"parameters": sum(p.numel() for p in model.parameters()), "architecture": type(model).__name__}
         fingerprint = model_fingerprint(spec)
-    except (UsageError, ModelLoadError, ValueError) as err:
+    except (UsageError, ModelLoadError, ValueError, OSError) as err:
         print(f"kvcert-fetch-model: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    fingerprint["parameters"] = sum(p.numel() for p in model.parameters())
-    fingerprint["architecture"] = type(model).__name__
+    fingerprint["parameters"] = described["parameters"]
+    fingerprint["architecture"] = described["architecture"]
     text = json.dumps(fingerprint, indent=2, sort_keys=True)
     if out:
         write_text_atomic(text + "\n", out)

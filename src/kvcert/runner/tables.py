@@ -42,7 +42,7 @@ def logprob_summary(logprobs: list[float]) -> dict[str, float]:
 def empty_step_table() -> pd.DataFrame:
     """A steps table with no rows but every column and dtype (a cell without compressed steps, or one that
     does not store them, still offers the contract's columns to its readers)."""
-    frame = pd.DataFrame({c: pd.Series(dtype="object" if c in ("item_id", "policy", "design", "setting") else
+    frame = pd.DataFrame({c: pd.Series(dtype="str" if c in ("item_id", "policy", "design", "setting") else
                                        "float64" if c == "budget" else "int64" if c == "seed" else "float32")
                           for c in KEY_COLUMNS})
     for column in STEP_INT32:

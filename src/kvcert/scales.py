@@ -1,0 +1,241 @@
+"""Scale files: which cells a pipeline scale runs, and scales derived from others by substitution.
+
+A scale file (``workflow/scales/<name>.yaml``) either lists its ``cells`` directly, or a ``matrix``
+(models × data × settings, each cell split into ``shards``) whose cells share one ``grid`` of
+configurations. ``models`` maps a model key to its ``kvcert-run`` model overrides.
+
+A study is one pre-registration version applied to cells. A scale lists its studies under ``studies:``
+(each with ``prereg:`` and ``cells:``/``matrix:``, ``cells_from: <study>`` to analyse another study's cells,
+or ``archived: true`` for a study whose committed results are read as they are), or is one study, named
+``v<prereg>``, made of its top-level ``cells``/``matrix``. ``exploratory:`` studies list a ``base`` of
+overrides and ``variants`` (one cell each); no pre-registered claim reads them.
+
+A derived scale names a ``base`` scale and lists only ``substitute``: dotted paths into the base and
+what replaces them. A substitute that is a mapping applied to a list of ``key=value`` overrides
+replaces those keys in the list (appending the keys the list lacks); any other substitute replaces the
+value at its path. Every path must exist in the base, so a derived scale can swap sizes and sources
+but cannot add cells, configurations or claims: whatever the base's matrix, grid and claims become,
+the derived scale follows.
+
+Both the Snakefile and ``kvcert-plan`` expand scales with :func:`expand_cells`, so the plan always
+describes the jobs the DAG runs.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+
+class ScaleError(ValueError):
+    """A scale file that cannot be read or derived; the message names the file and the key."""
+
+
+def scale_names(scales_dir: str | Path) -> list[str]:
+    return sorted(p.stem for p in Path(scales_dir).glob("*.yaml"))
+
+
+def load_scale(name: str, scales_dir: str | Path) -> dict[str, Any]:
+    """The scale ``name`` from ``scales_dir``, with its base applied if it is derived.
+
+    Returns the scale mapping plus ``name`` and ``claims_scale`` (the scale whose pre-registered
+    claim populations apply: the root of the ``base`` chain).
+    """
+    scales_dir = Path(scales_dir)
+    seen: list[str] = []
+    return _load(name, scales_dir, seen)
+
+
+def _load(name: str, scales_dir: Path, seen: list[str]) -> dict[str, Any]:
+    path = scales_dir / f"{name}.yaml"
+    if not path.is_file():
+        raise ScaleError(f"scale={name}: unknown scale; known: {', '.join(scale_names(scales_dir))}")
+    if name in seen:
+        raise ScaleError(f"{path.name}: base chain loops ({' -> '.join([*seen, name])})")
+    seen.append(name)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ScaleError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(raw, dict):
+        raise ScaleError(f"{path}: expected a mapping of scale keys")
+    if "base" not in raw:
+        if "substitute" in raw:
+            raise ScaleError(f"{path.name}: 'substitute' needs a 'base' scale to substitute into")
+        return {**raw, "name": name, "claims_scale": name}
+    unknown = sorted(set(raw) - {"base", "substitute", "purpose"})
+    if unknown:
+        raise ScaleError(f"{path.name}: {unknown[0]}: a derived scale lists only base, purpose and substitute")
+    base = _load(str(raw["base"]), scales_dir, seen)
+    derived = derive(base, raw.get("substitute") or {}, where=path.name)
+    derived.update(name=name, base=str(raw["base"]), claims_scale=base["claims_scale"])
+    if raw.get("purpose"):
+        derived["purpose"] = raw["purpose"]
+    return derived
+
+
+def _is_override_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value)
+
+
+def substitute_overrides(overrides: list[str], replacements: Mapping[str, Any]) -> list[str]:
+    """``overrides`` (``key=value`` strings) with each key of ``replacements`` set to its value.
+
+    Keys already present keep their place; missing keys are appended in the order given.
+    """
+    out = list(overrides)
+    for key, value in replacements.items():
+        text = f"{key}={_override_value(value)}"
+        at = [i for i, o in enumerate(out) if o.split("=", 1)[0].lstrip("+") == key]
+        if at:
+            out[at[0]] = text
+        else:
+            out.append(text)
+    return out
+
+
+def _override_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(_override_value(v) for v in value) + "]"
+    return "null" if value is None else str(value)
+
+
+def derive(base: Mapping[str, Any], substitute: Mapping[str, Any], where: str = "scale") -> dict[str, Any]:
+    """A deep copy of ``base`` with every ``substitute`` path replaced (see the module docstring)."""
+    if not isinstance(substitute, Mapping):
+        raise ScaleError(f"{where}: substitute must be a mapping of dotted paths")
+    out = copy.deepcopy(dict(base))
+    for path, value in substitute.items():
+        parts = str(path).split(".")
+        parent = out
+        for depth, part in enumerate(parts[:-1]):
+            if not isinstance(parent, dict) or part not in parent:
+                raise ScaleError(f"{where}: substitute.{path}: {'.'.join(parts[: depth + 1])} is not in the base scale")
+            parent = parent[part]
+        leaf = parts[-1]
+        if not isinstance(parent, dict) or leaf not in parent:
+            raise ScaleError(f"{where}: substitute.{path}: not in the base scale (a derived scale only substitutes)")
+        current = parent[leaf]
+        if _is_override_list(current) and isinstance(value, Mapping):
+            parent[leaf] = substitute_overrides(current, value)
+        elif isinstance(current, dict) and not isinstance(value, Mapping):
+            raise ScaleError(f"{where}: substitute.{path}: the base has a mapping here; substitute its keys")
+        else:
+            parent[leaf] = copy.deepcopy(value)
+    return out
+
+
+def expand_cells(scale: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Cell name -> {model, shards, overrides}: the scale's listed cells plus its matrix.
+
+    Matrix cells are named ``<model>-<data>-<setting>`` and run the data's overrides, then the grid,
+    then the setting.
+    """
+    cells = {name: dict(spec) for name, spec in (scale.get("cells") or {}).items()}
+    matrix = scale.get("matrix")
+    if matrix:
+        for model in matrix["models"]:
+            for data_name, data_overrides in matrix["data"].items():
+                for setting in matrix["settings"]:
+                    cells[f"{model}-{data_name}-{setting}"] = {
+                        "model": model,
+                        "shards": matrix["shards"],
+                        "overrides": list(data_overrides) + list(scale["grid"]) + [f"setting={setting}"],
+                    }
+    for name, spec in cells.items():
+        if spec.get("model") not in (scale.get("models") or {}):
+            raise ScaleError(f"scale={scale.get('name', '?')}: cell {name}: model {spec.get('model')!r} "
+                             f"is not in models ({', '.join(scale.get('models') or {})})")
+    return cells
+
+
+def studies(scale: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """{study: {"prereg": version, "cells": {cell: spec}, "source": study whose cells it reads, "archived"}}."""
+    where = f"{scale.get('name', 'scale')}.yaml"
+    if "studies" not in scale:
+        if not scale.get("cells") and not scale.get("matrix"):
+            return {}  # an exploratory-only scale
+        version = int(scale.get("prereg", 1))
+        return {f"v{version}": {"prereg": version, "cells": expand_cells(scale), "source": f"v{version}",
+                                "archived": False}}
+    out = {}
+    for name, spec in scale["studies"].items():
+        source = spec.get("cells_from", name)
+        if source not in scale["studies"]:
+            raise ScaleError(f"{where}: study {name}: cells_from={source} is not a study of this scale")
+        if "prereg" not in spec:
+            raise ScaleError(f"{where}: study {name}: prereg (the pre-registration version) is missing")
+        archived = bool(spec.get("archived", False))
+        own = {k: v for k, v in scale.items() if k not in ("studies", "cells", "matrix")}
+        cells = {} if archived else expand_cells({**own, **scale["studies"][source]})
+        out[name] = {"prereg": int(spec["prereg"]), "cells": cells, "source": source, "archived": archived}
+    return out
+
+
+def exploratory(scale: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """{study: {"cells": {variant: spec}}} of the scale's exploratory studies (one cell per variant)."""
+    return {name: {"cells": {variant: {"model": spec["model"], "shards": spec.get("shards", 1),
+                                       "overrides": [*spec["base"], *extra]}
+                             for variant, extra in spec["variants"].items()}}
+            for name, spec in (scale.get("exploratory") or {}).items()}
+
+
+def study_cells(scale: Mapping[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """(study, cell) -> spec for every cell the scale runs: each computed study's own cells (a study that
+    reads another's runs none) and the exploratory studies' cells."""
+    found = studies(scale)
+    owners = sorted({st["source"] for st in found.values() if not st["archived"]})
+    out = {(study, cell): spec for study in owners for cell, spec in found[study]["cells"].items()}
+    for study, spec in exploratory(scale).items():
+        out.update({(study, cell): cell_spec for cell, cell_spec in spec["cells"].items()})
+    return out
+
+
+def shard_list(cells: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, int]]:
+    """(cell, shard) for every job of the ``cell`` rule, in a stable order."""
+    return [(cell, shard) for cell, spec in cells.items() for shard in range(int(spec["shards"]))]
+
+
+def cell_overrides(scale: Mapping[str, Any], cell: Mapping[str, Any]) -> list[str]:
+    """The ``kvcert-run`` overrides of a cell: its model's, then its own (a later key wins)."""
+    return list(scale["models"][cell["model"]]) + list(cell["overrides"])
+
+
+def override_value(overrides: list[str], key: str) -> str | None:
+    """The value a list of ``key=value`` overrides gives ``key`` (the last one wins), or None."""
+    value = None
+    for override in overrides:
+        name, _, text = override.partition("=")
+        if name.lstrip("+") == key:
+            value = text
+    return value
+
+
+def parse_list(text: str) -> list[str]:
+    """``[a,b]`` (Hydra list syntax, unquoted names) -> ['a', 'b']."""
+    return [part.strip().strip("'\"") for part in text.strip().strip("[]").split(",") if part.strip()]
+
+
+def needs_longbench_copy(scale: Mapping[str, Any], cell: Mapping[str, Any]) -> bool:
+    """Whether a cell reads LongBench from the hub (no data.path), so that it needs the fetched copy."""
+    overrides = cell_overrides(scale, cell)
+    return override_value(overrides, "data") == "longbench" and override_value(overrides, "data.path") in (None, "null")
+
+
+def longbench_subsets(scale: Mapping[str, Any], cells: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Every LongBench subset the hub-reading cells of a scale use (the loader's defaults where unset)."""
+    from .data.longbench import DEFAULTS
+
+    subsets: list[str] = []
+    for cell in cells.values():
+        if needs_longbench_copy(scale, cell):
+            listed = override_value(cell_overrides(scale, cell), "data.subsets")
+            for subset in parse_list(listed) if listed else DEFAULTS["subsets"]:
+                if subset not in subsets:
+                    subsets.append(subset)
+    return subsets

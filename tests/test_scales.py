@@ -1,0 +1,141 @@
+"""Scale files: the rehearsal derives from the paper scale by substitution only, and the Snakefile,
+kvcert-plan and the derivation expand a scale the same way."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvcert.scales import (
+    ScaleError,
+    cell_overrides,
+    derive,
+    expand_cells,
+    load_scale,
+    longbench_subsets,
+    needs_longbench_copy,
+    override_value,
+    shard_list,
+    studies,
+    study_cells,
+    substitute_overrides,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCALES = ROOT / "workflow" / "scales"
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def _keys(overrides: list[str]) -> list[str]:
+    return [o.split("=", 1)[0] for o in overrides]
+
+
+def test_rehearsal_keeps_the_paper_matrix_grid_and_claims():
+    paper, rehearse = load_scale("paper", SCALES), load_scale("rehearse", SCALES)
+    raw = yaml.safe_load((SCALES / "rehearse.yaml").read_text())
+    assert raw["base"] == "paper" and set(raw) <= {"base", "purpose", "substitute"}
+    assert rehearse["grid"] == paper["grid"]
+    assert rehearse["claims_scale"] == "paper"
+    for key in ("models", "settings", "shards"):
+        assert rehearse["matrix"][key] == paper["matrix"][key]
+    assert list(rehearse["matrix"]["data"]) == list(paper["matrix"]["data"])
+    # every data and model override of the paper is still there, in order; only values (and data.path) change
+    for name, overrides in paper["matrix"]["data"].items():
+        derived = rehearse["matrix"]["data"][name]
+        assert _keys(derived)[: len(overrides)] == _keys(overrides)
+        assert set(_keys(derived)) - set(_keys(overrides)) <= {"data.path"}
+        assert override_value(derived, "data") == override_value(overrides, "data")
+        assert override_value(derived, "data.tasks") == override_value(overrides, "data.tasks")
+    for model, overrides in paper["models"].items():
+        derived = rehearse["models"][model]
+        assert _keys(derived) == _keys(overrides)
+        assert override_value(derived, "model.dtype") == override_value(overrides, "model.dtype") == "bfloat16"
+    # the same cells and shards, under the same names
+    paper_cells, rehearse_cells = expand_cells(paper), expand_cells(rehearse)
+    assert list(paper_cells) == list(rehearse_cells)
+    assert shard_list(paper_cells) == shard_list(rehearse_cells)
+    assert len(shard_list(paper_cells)) == 3 * 3 * 2 * paper["matrix"]["shards"]
+    # every rehearsal cell has at least one item per shard, and the lengths are scaled down
+    for cell in rehearse_cells.values():
+        overrides = cell_overrides(rehearse, cell)
+        assert int(override_value(overrides, "n_items")) >= cell["shards"]
+
+
+def test_a_change_of_the_paper_scale_reaches_the_rehearsal(tmp_path):
+    shutil.copytree(SCALES, tmp_path / "scales")
+    paper_file = tmp_path / "scales" / "paper.yaml"
+    paper = yaml.safe_load(paper_file.read_text())
+    paper["grid"] = [g.replace("budgets=[0.1,0.25,0.5,0.75]", "budgets=[0.2,0.4]") for g in paper["grid"]]
+    paper["matrix"]["settings"] = ["streaming"]
+    paper["matrix"]["data"]["ruler"].append("data.haystack=prose")
+    paper_file.write_text(yaml.safe_dump(paper, sort_keys=False))
+    rehearse = load_scale("rehearse", tmp_path / "scales")
+    assert "budgets=[0.2,0.4]" in rehearse["grid"]
+    assert rehearse["matrix"]["settings"] == ["streaming"]
+    assert override_value(rehearse["matrix"]["data"]["ruler"], "data.haystack") == "prose"
+    assert override_value(rehearse["matrix"]["data"]["ruler"], "data.context_tokens") == "800"
+    assert all(name.endswith("-streaming") for name in expand_cells(rehearse))
+
+
+def test_substitution_rules():
+    base = {"outdir": "a", "models": {"m": ["model=hf", "model.name=x"]}, "resources": {"cell": {"mem_mb": 1}}}
+    out = derive(base, {"models.m": {"model.name": "y", "model.device": "cpu"}, "outdir": "b",
+                        "resources.cell": {"mem_mb": 2}})
+    assert out["models"]["m"] == ["model=hf", "model.name=y", "model.device=cpu"]
+    assert out["outdir"] == "b" and out["resources"]["cell"] == {"mem_mb": 2}
+    assert base["models"]["m"] == ["model=hf", "model.name=x"]  # the base is not modified
+    with pytest.raises(ScaleError, match=r"substitute\.models\.other: not in the base scale"):
+        derive(base, {"models.other": ["model=hf"]}, where="x.yaml")
+    with pytest.raises(ScaleError, match=r"substitute\.matrix\.shards: matrix is not in the base scale"):
+        derive(base, {"matrix.shards": 2}, where="x.yaml")
+    with pytest.raises(ScaleError, match="has a mapping here"):
+        derive(base, {"resources": 3})
+    assert substitute_overrides(["a=1", "+b=2"], {"b": [1, 2], "c": True}) == ["a=1", "b=[1,2]", "c=true"]
+
+
+BAD_SCALES = {  # name -> (files written, the message)
+    "loop": ({"a": "base: b\n", "b": "base: a\n"}, "base chain loops"),
+    "no-base": ({"a": "substitute: {outdir: x}\n"}, "'substitute' needs a 'base'"),
+    "unknown-base": ({"a": "base: nope\n"}, "scale=nope: unknown scale"),
+    "own-cells": ({"a": "base: b\ncells: {}\n", "b": "outdir: x\n"}, "a.yaml: cells: a derived scale lists only"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SCALES))
+def test_bad_derived_scales_are_one_line(tmp_path, case):
+    files, message = BAD_SCALES[case]
+    for name, text in files.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    with pytest.raises(ScaleError, match=message):
+        load_scale("a", tmp_path)
+
+
+def test_longbench_cells_read_the_fetched_copy_unless_they_have_a_path():
+    paper, rehearse = load_scale("paper", SCALES), load_scale("rehearse", SCALES)
+    paper_cells = expand_cells(paper)
+    assert longbench_subsets(paper, paper_cells) == yaml.safe_load(
+        (ROOT / "src" / "kvcert" / "conf" / "data" / "longbench.yaml").read_text())["subsets"]
+    assert needs_longbench_copy(paper, paper_cells["qwen7b-longbench6k-streaming"])
+    assert not needs_longbench_copy(paper, paper_cells["qwen7b-ruler-streaming"])
+    assert longbench_subsets(rehearse, expand_cells(rehearse)) == []
+
+
+@pytest.mark.parametrize("scale", ["paper", "rehearse", "smoke"])
+def test_the_dag_runs_the_jobs_the_expansion_lists(scale):
+    proc = subprocess.run([str(BIN / "snakemake"), "-n", "--quiet", "rules", "--config", f"scale={scale}",
+                           f"outdir=results/dryrun-{scale}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", proc.stdout + proc.stderr, flags=re.M))
+    loaded = load_scale(scale, SCALES)
+    assert int(counts["cell"]) == len(shard_list(study_cells(loaded)))
+    computed = [name for name, st in studies(loaded).items() if not st["archived"]]
+    assert int(counts["claim"]) == 7 * len(computed)

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Driver for `make rehearse-paper`: the paper scale's DAG, end to end, through the real SLURM profile
+# (workflow/profiles/slurm) on the private one-node cluster, with stand-in models and data.
+#
+# 1. stand-ins: three random-weight models with the paper models' architectures (bfloat16 HF
+#    directories, real tokenizer) and a LongBench-format copy (python -m kvcert.standins);
+# 2. cluster-up.sh; snakemake --workflow-profile workflow/profiles/slurm --config scale=rehearse, with
+#    the profile's site variables set (KVCERT_SLURM_ACCOUNT / _PARTITION, KVCERT_SLURM_CELL_GPUS=0);
+# 3. checks (check_rehearsal.py): the sbatch command of every job against what the profile promises,
+#    the groups, that local rules never went to SLURM, every job COMPLETED, claims pooled over three
+#    models with per-model results, tables, figures and notebooks;
+# cluster-down.sh always runs on exit. The stand-ins answer nonsense: this rehearses plumbing only.
+#
+# Environment (all optional):
+#   KVCERT_REHEARSE_TIMEOUT  hard limit for the snakemake run, seconds (default 1800)
+#   KVCERT_REHEARSE_KEEP     1: keep results/rehearse from an earlier run (resume) instead of wiping it
+#   SNAKEMAKE / PYTHON       executables (default: <repo>/.venv/bin/{snakemake,python}, else PATH)
+# plus the cluster knobs of common.sh (KVCERT_SLURM_DIR, ports, KVCERT_SLURM_ETC, ...).
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=workflow/slurm/common.sh
+source "$HERE/common.sh"
+state_paths
+
+fail() { echo "rehearse-paper: FAIL: $*" >&2; exit 1; }
+say() { echo "rehearse-paper: $*" >&2; }
+
+find_tools
+RUN_TIMEOUT="${KVCERT_REHEARSE_TIMEOUT:-1800}"
+OUT="results/rehearse"   # the rehearse scale's outdir (workflow/scales/rehearse.yaml)
+cd "$REPO_ROOT"
+
+start_all=$SECONDS
+if [[ "${KVCERT_REHEARSE_KEEP:-0}" != 1 ]]; then
+  rm -rf "$OUT"
+fi
+mkdir -p "$OUT"
+if [[ ! -f "$OUT/standins/longbench/narrativeqa.jsonl" ]]; then
+  say "building stand-in models and the LongBench-format copy in $OUT/standins"
+  "$PYTHON" -m kvcert.standins --out "$OUT/standins" --head-dim 8 --stop-fraction 0.2 --longbench-tokens 2400 \
+    >/dev/null 2>"$OUT/standins.log" || { tail -n 20 "$OUT/standins.log" >&2; fail "building the stand-ins failed"; }
+fi
+
+cleanup() {
+  local rc=$?
+  "$HERE/cluster-down.sh" || { say "cluster-down failed"; rc=1; }
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+"$HERE/cluster-up.sh" >/dev/null
+# shellcheck disable=SC1090
+source "$ENV_SH"
+export PATH="$VENV_BIN:$PATH"
+
+# What a cluster user sets (README, "Running on a SLURM cluster"); CPU-only cells here.
+export KVCERT_SLURM_ACCOUNT=kvcert-rehearsal KVCERT_SLURM_PARTITION=debug KVCERT_SLURM_CELL_GPUS=0
+unset KVCERT_SLURM_GPU_PARTITION KVCERT_SLURM_QOS SBATCH_ACCOUNT SBATCH_PARTITION
+LOG="$OUT/snakemake.log"
+# --verbose makes the executor log each sbatch command, which the checks read. --cores 1 makes each
+# submission one CPU running its cells in series (as GPU cells share their GPU), so that one group starts
+# while another computes; the status-check delay only shortens the wait on this cluster's short jobs.
+args=(--workflow-profile workflow/profiles/slurm --config scale=rehearse --cores 1
+      --slurm-init-seconds-before-status-checks 5 --verbose)
+say "snakemake ${args[*]}  (log: $LOG, limit ${RUN_TIMEOUT}s)"
+start=$SECONDS
+set +e
+timeout -s KILL "$RUN_TIMEOUT" "$SNAKEMAKE" "${args[@]}" >"$LOG" 2>&1
+rc=$?
+set -e
+elapsed=$((SECONDS - start))
+if ((rc != 0)); then
+  grep -v '^\s*$' "$LOG" | grep -iE 'error|fail|exception' | tail -n 30 >&2 || true
+  ((rc == 137)) && fail "snakemake killed after ${RUN_TIMEOUT}s"
+  fail "snakemake exited with $rc (see $LOG)"
+fi
+say "snakemake finished in ${elapsed}s"
+
+"$PYTHON" "$HERE/check_rehearsal.py" --log "$LOG" --out "$OUT" --scale rehearse ||
+  fail "the rehearsal's checks failed (see above)"
+say "PASS in $((SECONDS - start_all))s (snakemake ${elapsed}s)"
