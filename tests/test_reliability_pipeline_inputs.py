@@ -80,7 +80,7 @@ def _prereg(*args):
 def test_prereg_verify_passes_on_an_unedited_copy(tmp_path):
     proc = _prereg("--root", str(_copy_prereg(tmp_path)), "verify")
     assert proc.returncode == 0, proc.stderr
-    assert "pre-registration lock OK" in proc.stdout
+    assert "version 1 lock OK" in proc.stdout
 
 
 @pytest.mark.parametrize("edit, expected", [pytest.param(*c[1:], id=c[0]) for c in PREREG_CASES])
@@ -194,7 +194,7 @@ def snakemake(repo: Path, *args, timeout=600):
 
 
 DAG_CASES = [
-    ("scale-unknown", ["--config", "scale=huge"], "kvcert workflow: error: --config scale=huge: unknown scale; known: default, paper, rehearse, smoke"),
+    ("scale-unknown", ["--config", "scale=huge"], "kvcert workflow: error: --config scale=huge: unknown scale; known: default, paper, rehearse, sensitivity, smoke, v1, v2-full"),
     ("config-key-typo", ["--config", "scal=smoke"], "kvcert workflow: error: --config scal=...: unknown key (did you mean scale?)"),
     ("config-key-unknown", ["--config", "scale=smoke", "cores=4"], "kvcert workflow: error: --config cores=...: unknown key"),
 ]
@@ -229,13 +229,13 @@ def test_dag_with_edited_preregistration_stops_at_verification(tmp_path):
     """The verification job fails; the DAG's last line is the reason (kvcert-prereg's one line)."""
     repo = copy_workflow(tmp_path / "repo")
     _edit_claims(repo)
-    proc = snakemake(repo, "--cores", "1", "results/x/logs/preregistration.verified", "--config", "scale=smoke",
+    proc = snakemake(repo, "--cores", "1", "results/x/logs/preregistration-v1.verified", "--config", "scale=smoke",
                      "outdir=results/x")
     assert proc.returncode != 0
     last = _last_line(proc.stderr)
     assert last.startswith("kvcert workflow: error: ") and "preregistration/claims.yaml changed since the lock" in last, \
         proc.stderr[-2000:]
-    assert not (repo / "results" / "x" / "logs" / "preregistration.verified").exists()
+    assert not (repo / "results" / "x" / "logs" / "preregistration-v1.verified").exists()
     assert not list((repo / "results").rglob("*.json"))
 
 
@@ -258,10 +258,10 @@ cells:
 def test_dag_cell_with_bad_override_names_it_last(workflow_copy):
     """A scale whose cell has budget 2: the cell job fails and the DAG ends on its log's error line."""
     (workflow_copy / "workflow" / "scales" / "bad.yaml").write_text(BAD_SCALE)
-    target = "results/bad/cells/qa/shard-0/items.parquet"
+    target = "results/bad/v1/cells/qa/shard-0/items.parquet"
     proc = snakemake(workflow_copy, "--cores", "1", target, "--config", "scale=bad")
     assert proc.returncode != 0
     last = _last_line(proc.stderr)
-    assert last == ("kvcert workflow: error: results/bad/logs/cells/qa-0.log: "
+    assert last == ("kvcert workflow: error: results/bad/logs/cells/v1-qa-0.log: "
                     "kvcert-run: error: budgets: 2.0 is outside (0, 1]"), proc.stderr[-3000:]
-    assert not (workflow_copy / "results" / "bad" / "cells").exists()
+    assert not (workflow_copy / "results" / "bad" / "v1" / "cells").exists()
