@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install model test test-fast smoke smoke-reference reproduce reproduce-full reproduce-v1 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
+.PHONY: install model test test-heldout test-fast smoke smoke-reference reproduce reproduce-full reproduce-v1 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
 	rehearse-paper plan
 
 $(STAMP): pyproject.toml
@@ -28,7 +28,12 @@ model: install
 
 ## The default test suite, including the smoke DAG end to end (README's test command).
 test: install model
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm"
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm and not heldout"
+
+## The calibrated certificate's held-out check (kvcert-calibrate on 20 prompts, kvcert-run on 20 others; about
+## 10 minutes on 2 cores, outside `make test`).
+test-heldout: install model
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m heldout
 
 ## Unit tests only (no SmolLM2, no DAG, nothing downloaded: the tests train their own tokenizers).
 test-fast: install

@@ -21,7 +21,7 @@ import pytest
 
 from kvcert.runner import calibrate, cli
 
-pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
+pytestmark = [pytest.mark.smollm2, pytest.mark.slow, pytest.mark.heldout]
 
 WORKLOAD = ["data=ruler", "data.tasks=[niah_multivalue_2,niah_multiquery_2]", "data.haystack=prose",
             "data.context_tokens=600", "data.seed=3", "n_items=40", "n_shards=2", "policies=[snapkv]",
