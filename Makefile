@@ -30,8 +30,8 @@ model: install
 test: install model
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm and not heldout"
 
-## The calibrated certificate's held-out check (kvcert-calibrate on 20 prompts, kvcert-run on 20 others; about
-## 10 minutes on 2 cores, outside `make test`).
+## The calibrated certificate's held-out check (kvcert-calibrate on 20 prompts, kvcert-run on 20 others; tens of
+## minutes on 2 cores, outside `make test`).
 test-heldout: install model
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m heldout
 
