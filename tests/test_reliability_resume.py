@@ -124,7 +124,7 @@ def test_dag_interrupted_completes_on_rerun_without_recomputing(tmp_path):
 
     repo = copy_workflow(tmp_path / "repo")
     (repo / "workflow" / "scales" / "resume.yaml").write_text(TINY_SCALE)
-    shards = [repo / "results" / "resume" / "cells" / "qa" / f"shard-{i}" for i in range(3)]
+    shards = [repo / "results" / "resume" / "v1" / "cells" / "qa" / f"shard-{i}" for i in range(3)]
     targets = [str(s.relative_to(repo) / "items.parquet") for s in shards]
     command = [str(BIN / "snakemake"), "--cores", "1", *targets, "--config", "scale=resume"]
     log = tmp_path / "snakemake.log"
