@@ -212,4 +212,4 @@ def test_certificate_overhead_benchmark_runs(capsys):
     assert len(table) == 1
     cells = [c.strip() for c in table[0].strip("|").split("|")]
     # bytes are a property of the cache, not of timing: top-k holds exactly the budget
-    assert len(cells) == 11 and abs(float(cells[-2]) - 0.25) < 0.01 and 0.2 < float(cells[-1]) < 0.35
+    assert len(cells) == 13 and abs(float(cells[-2]) - 0.25) < 0.01 and 0.2 < float(cells[-1]) < 0.35
