@@ -118,3 +118,27 @@ def test_smoke_dag_end_to_end(tmp_path):
     report = snakemake("--report", str(tmp_path / "report.html"), "--config", "scale=smoke", f"outdir={out}")
     assert report.returncode == 0, report.stderr[-2000:]
     assert (tmp_path / "report.html").stat().st_size > 10_000
+
+
+def test_published_notebook_names_archived_inputs_relative_to_the_run(tmp_path, monkeypatch):
+    """An archived study's claims are read by absolute path (the repository's copy); the published notebook
+    names them relative to the working directory, and still refuses a path of this machine elsewhere."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("publish_notebook", ROOT / "workflow" / "scripts" / "publish_notebook.py")
+    publish = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(publish)
+    monkeypatch.chdir(tmp_path)
+    raw = tmp_path / "executed.ipynb"
+    raw.write_text(json.dumps({"cells": [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": 1,
+                                          "source": [f"# {publish.PREAMBLE_MARK}\n", f"x = {str(tmp_path)!r}\n"]}],
+                               "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    archived = str(tmp_path / "results" / "v1" / "claims" / "c1.json")
+    publish.publish(raw, tmp_path / "out.ipynb", {"claim_json": [archived, "results/v2/claims/c1.json"]},
+                    ["results/notebooks/claims_summary.md"], "notebook_claims")
+    text = (tmp_path / "out.ipynb").read_text()
+    assert "'results/v1/claims/c1.json'" in text and str(tmp_path) not in text
+    with pytest.raises(SystemExit, match="absolute path"):
+        publish.publish(raw, tmp_path / "again.ipynb", {"claim_json": [os.path.expanduser("~/elsewhere/c1.json")]},
+                        [], "notebook_claims")
+    assert not (tmp_path / "again.ipynb").exists()

@@ -17,6 +17,20 @@ from kvcert.atomic import write_text_atomic
 PREAMBLE_MARK = "snakemake preamble start"
 
 
+def _relative(value):
+    """Paths under the working directory, relative to it (archived studies are read by absolute path)."""
+    if isinstance(value, dict):
+        return {k: _relative(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_relative(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        cwd = Path.cwd().resolve()
+        path = Path(value).resolve()
+        if path == cwd or cwd in path.parents:
+            return os.path.relpath(path, cwd)
+    return value
+
+
 def _namespace(name: str, value) -> str:
     if isinstance(value, dict):
         fields = ", ".join(f"{k}={_namespace(k, v)}" for k, v in value.items())
@@ -36,7 +50,8 @@ def publish(raw: Path, target: Path, inputs: dict, outputs: list, rule: str) -> 
                 "# by the rule's inputs and outputs, relative to the working directory of the run.\n",
                 "from types import SimpleNamespace\n",
                 "\n",
-                f"snakemake = SimpleNamespace(input={_namespace('input', inputs)}, output={list(outputs)!r})",
+                f"snakemake = SimpleNamespace(input={_namespace('input', _relative(inputs))}, "
+                f"output={_relative(list(outputs))!r})",
             ]
             cell["outputs"], cell["execution_count"] = [], None
             replaced += 1
