@@ -182,6 +182,10 @@ def _load_gguf(gguf: Path, dtype, device: str):
     except Exception as err:  # transformers raises many types for a corrupt file
         raise ModelLoadError(f"model.path={gguf}: not a loadable GGUF model ({type(err).__name__}: {err})") from err
     _save_converted(model, tokenizer, converted)
+    # Every later load reads the converted copy, so the first one must too: for some architectures (Qwen2)
+    # the tokenizer built from GGUF fields pre-tokenizes differently from the same tokenizer saved and
+    # reloaded (digits), and a run must not depend on whether the copy already existed.
+    tokenizer = AutoTokenizer.from_pretrained(converted)
     model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype) if dtype != "float32" else model
     del AutoConfig
     return model.to(device), tokenizer

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .costs import GB, Architecture, Batch, CellPlan, Device, Prompt, item_seconds, peak_bytes
-from .scales import ScaleError, cell_overrides, load_scale, shard_list, studies, study_cells
+from .scales import ScaleError, cell_overrides, exploratory, load_scale, shard_list, studies, study_cells
 
 # Host work per layer and forward pass of a 9-row decode batch with oracle and certificates (Python,
 # dispatch, the cache's bookkeeping): 2.0 ms measured with benchmarks/plan_check.py on the 2-core machine
@@ -132,13 +132,38 @@ def cell_plan(config, run_cfg: dict[str, Any], dtype: str, device_type: str) -> 
     )
 
 
+def plan_jobs(scale: dict[str, Any]) -> dict[str, int]:
+    """Jobs per rule of a loaded scale, as the workflow instantiates them (``snakemake -n`` lists the same,
+    less the fetch rules and verify_preregistration when their outputs exist)."""
+    from .scales import longbench_subsets
+
+    cells = {f"{study}/{cell}": spec for (study, cell), spec in study_cells(scale).items()}
+    computed = [name for name, st in studies(scale).items() if not st["archived"]]
+    jobs = {"cell": len(shard_list(cells))}
+    # The other rules as the workflow instantiates them: per computed study (claims, accuracy), per study
+    # that runs its own cells outside the exploratory ones (calibration by layer), per exploratory study
+    # (sensitivity table), once for the tables and notebooks of a scale with studies, and Snakemake's `all`.
+    found, explore = studies(scale), exploratory(scale)
+    calibrated = {study for study, _ in study_cells(scale)} - set(explore)
+    jobs.update({"fetch_model": len({c["model"] for c in cells.values()}), "verify_preregistration": 1})
+    if found:
+        jobs.update({"claim": 7 * len(computed), "accuracy": len(computed), "aggregate": 1, "notebook_claims": 1,
+                     "notebook_certificates": 1, "publish_notebook": 2})
+    if calibrated:
+        jobs["calibration_by_layer"] = len(calibrated)
+    if explore:
+        jobs["sensitivity_table"] = len(explore)
+    jobs["all"] = 1
+    if longbench_subsets(scale, cells):
+        jobs["fetch_longbench"] = 1
+    return jobs
+
+
 def plan_scale(name: str, root: Path, overhead: float = HOST_OVERHEAD_PER_LAYER_PASS) -> dict[str, Any]:
     from .architectures import model_config
 
     scale = load_scale(name, root / "workflow" / "scales")
     cells = {f"{study}/{cell}": spec for (study, cell), spec in study_cells(scale).items()}
-    computed = [name for name, st in studies(scale).items() if not st["archived"]]
-    jobs = {"cell": len(shard_list(cells))}
     costs: list[CellCost] = []
     configs: dict[str, Any] = {}
     for cell_name, cell in cells.items():
@@ -158,13 +183,7 @@ def plan_scale(name: str, root: Path, overhead: float = HOST_OVERHEAD_PER_LAYER_
         costs.append(CellCost(cell_name, model_key, str(run_cfg["data"].get("name")), config.setting,
                               int(cell["shards"]), config.n_items, max(p.n + p.suffix for _, p in prompts),
                               dtype, peak, seconds))
-    jobs.update({"fetch_model": len({c["model"] for c in cells.values()}), "verify_preregistration": 1,
-                 "claim": 7 * len(computed), "aggregate": 1, "notebook_claims": 1, "notebook_certificates": 1})
-    from .scales import longbench_subsets
-
-    if longbench_subsets(scale, cells):
-        jobs["fetch_longbench"] = 1
-    return {"scale": scale, "cells": costs, "jobs": jobs, "architectures": configs, "overhead": overhead}
+    return {"scale": scale, "cells": costs, "jobs": plan_jobs(scale), "architectures": configs, "overhead": overhead}
 
 
 def _gb(x: float) -> str:
