@@ -153,7 +153,7 @@ def test_foreign_workload_on_more_gguf_architectures(tmp_path, tmp_path_factory,
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "phi3"])
-def test_first_load_of_a_gguf_tokenizes_as_every_later_load(tmp_path, workload, arch):
+def test_first_load_of_a_gguf_tokenizes_as_every_later_load(tmp_path, monkeypatch, workload, arch):
     """The first load converts the GGUF file; later loads read the converted copy. Both must give the same
     prompt ids, or a cell's answers would depend on whether the copy existed (a Qwen2 tokenizer built from
     GGUF fields and the same tokenizer saved and reloaded split digits differently)."""
@@ -162,15 +162,11 @@ def test_first_load_of_a_gguf_tokenizes_as_every_later_load(tmp_path, workload, 
     from kvcert.runner.cell import item_prompt
 
     tiny = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
-    patch = pytest.MonkeyPatch()
-    patch.setenv("KVCERT_CACHE", str(tmp_path / "cache"))
-    try:
-        spec = {"kind": "gguf", "path": str(tiny.path)}
-        _, first = load_model(spec)
-        assert converted_dir(tmp_path / "cache", tiny.path).is_dir()
-        later = [load_model(spec)[1], load_tokenizer(spec)]
-    finally:
-        patch.undo()
+    monkeypatch.setenv("KVCERT_CACHE", str(tmp_path / "cache"))
+    spec = {"kind": "gguf", "path": str(tiny.path)}
+    _, first = load_model(spec)
+    assert converted_dir(tmp_path / "cache", tiny.path).is_dir()
+    later = [load_model(spec)[1], load_tokenizer(spec)]
     path, _ = workload
     for item in read_jsonl_items(path):
         expected = item_prompt(first, item, "question_aware", 1 << 30, "middle").prefix_ids.tolist()

@@ -17,14 +17,13 @@ from kvcert.atomic import write_text_atomic
 PREAMBLE_MARK = "snakemake preamble start"
 
 
-def _relative(value):
-    """Paths under the working directory, relative to it (archived studies are read by absolute path)."""
+def _relative(value, cwd: Path):
+    """Paths under ``cwd``, relative to it (archived studies are read by absolute path)."""
     if isinstance(value, dict):
-        return {k: _relative(v) for k, v in value.items()}
+        return {k: _relative(v, cwd) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_relative(v) for v in value]
+        return [_relative(v, cwd) for v in value]
     if isinstance(value, str) and os.path.isabs(value):
-        cwd = Path.cwd().resolve()
         path = Path(value).resolve()
         if path == cwd or cwd in path.parents:
             return os.path.relpath(path, cwd)
@@ -40,6 +39,7 @@ def _namespace(name: str, value) -> str:
 
 def publish(raw: Path, target: Path, inputs: dict, outputs: list, rule: str) -> None:
     notebook = json.loads(raw.read_text())
+    cwd = Path.cwd().resolve()
     replaced = 0
     for cell in notebook["cells"]:
         cell.get("metadata", {}).pop("execution", None)
@@ -50,15 +50,15 @@ def publish(raw: Path, target: Path, inputs: dict, outputs: list, rule: str) -> 
                 "# by the rule's inputs and outputs, relative to the working directory of the run.\n",
                 "from types import SimpleNamespace\n",
                 "\n",
-                f"snakemake = SimpleNamespace(input={_namespace('input', _relative(inputs))}, "
-                f"output={_relative(list(outputs))!r})",
+                f"snakemake = SimpleNamespace(input={_namespace('input', _relative(inputs, cwd))}, "
+                f"output={_relative(list(outputs), cwd)!r})",
             ]
             cell["outputs"], cell["execution_count"] = [], None
             replaced += 1
     if replaced != 1:
         raise SystemExit(f"{raw}: expected one Snakemake preamble cell, found {replaced}")
     text = json.dumps(notebook, indent=1, ensure_ascii=False) + "\n"
-    leaks = sorted({p for p in (str(Path.cwd().resolve()), os.path.expanduser("~"), sys.prefix) if p and p in text})
+    leaks = sorted({p for p in (str(cwd), os.path.expanduser("~"), sys.prefix) if p and p in text})
     if leaks:
         raise SystemExit(f"{raw}: the published notebook would still contain the absolute path(s) {leaks}")
     write_text_atomic(text, target)
