@@ -142,3 +142,19 @@ def test_published_notebook_names_archived_inputs_relative_to_the_run(tmp_path, 
         publish.publish(raw, tmp_path / "again.ipynb", {"claim_json": [os.path.expanduser("~/elsewhere/c1.json")]},
                         [], "notebook_claims")
     assert not (tmp_path / "again.ipynb").exists()
+
+
+def test_scripts_run_by_snakemake_compile_after_its_preamble():
+    """Snakemake's `script:` puts its own preamble before a script's first line, so a `from __future__`
+    import there is a SyntaxError at run time only (the sensitivity table once failed this way after its
+    cells had run); compile every such script as Snakemake will run it."""
+    import re
+
+    scripts = []
+    for rules in sorted((ROOT / "workflow" / "rules").glob("*.smk")):
+        for name in re.findall(r'^\s+script:\s*\n\s+"([^"]+)"', rules.read_text(), flags=re.M):
+            scripts.append((rules.parent / name).resolve())
+    assert scripts, "no rule runs a script through `script:`"
+    for script in scripts:
+        source = "import sys\n######## snakemake preamble end #########\n" + script.read_text()
+        compile(source, str(script), "exec")  # raises SyntaxError for a misplaced __future__ import

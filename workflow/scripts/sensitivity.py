@@ -9,8 +9,7 @@ items with a 95% percentile bootstrap interval (1000 item resamples, seeded), an
 descriptive numbers, not the pre-registered tests.
 """
 
-from __future__ import annotations
-
+# No `from __future__` import: Snakemake runs this file through `script:`, which puts its own preamble first.
 from pathlib import Path
 
 import matplotlib
