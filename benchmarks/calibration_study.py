@@ -29,7 +29,7 @@ DELTA = 0.05
 KEYS = ["setting", "policy", "budget"]
 
 
-DEFAULT = "conformal 0.975"  # the shipped default: kvcert.calibration.default_level(0.05), unit=row, relative term
+DEFAULT = "conformal 0.99"  # the shipped default: kvcert.calibration.default_level(0.05), unit=row, relative term
 
 
 def read_steps(cells: list[str]) -> pd.DataFrame:
@@ -116,7 +116,8 @@ def summarize(steps: pd.DataFrame, certs: dict[str, np.ndarray], model: str) -> 
 
 
 README_METHODS = {"paper": "ε̂ (paper)", "design z=2": "design-based", "conformal 0.975 × ε̂": "conformal × ε̂, 0.975",
-                  "conformal 0.95": "conformal, 0.95", "conformal 0.975": "conformal, 0.975 (default)"}
+                  "conformal 0.95": "conformal, 0.95", "conformal 0.975": "conformal, 0.975 (until 2026-11-30)",
+                  "conformal 0.99": "conformal, 0.99 (default)"}
 
 
 def markdown(summary: pd.DataFrame) -> str:

@@ -62,7 +62,7 @@ def fitted(tiny, tmp_path_factory):
 def test_the_file_is_bound_to_the_model_and_the_design(fitted):
     payload = json.loads(fitted["file"].read_text())
     assert payload["format"] == "kvcert-calibration" and payload["method"] == "conformal"
-    assert payload["level"] == pytest.approx(0.975) and payload["unit"] == "row"
+    assert payload["level"] == pytest.approx(0.99) and payload["unit"] == "row"
     assert payload["model"]["model_type"] == "qwen2" and len(payload["model"]["weights_sha256"]) == 64
     assert payload["model"]["fingerprint"]["sha256"]  # the GGUF's own sha256, for the record
     assert payload["design"] == {"n_sink": 4, "n_recent": 32, "head_fraction": 0.5, "pi_min": 0.001, "delta": 0.05,
@@ -181,7 +181,7 @@ def test_kvcert_calibrate_needs_enough_prompts(env, tmp_path, capsys):
     rc = calibrate.main([*BASE, "model=gguf", f"model.path={env['qwen2']}", "n_items=12", f"out={tmp_path}/c.json"])
     last = _last_line(capsys.readouterr().err)
     assert rc == 2 and last == ("kvcert-calibrate: error: n_items=12: shard 0 of 1 gives 12 calibration prompts; "
-                                "unit=row at level 0.975 needs at least 19")
+                                "unit=row at level 0.99 needs at least 19")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from .costs import GB, Architecture, Batch, CellPlan, Device, Prompt, item_seconds, peak_bytes
-from .scales import ScaleError, cell_overrides, exploratory, load_scale, shard_list, studies, study_cells
+from .scales import (ScaleError, cell_overrides, exploratory, load_scale, longbench_subsets, shard_list, studies,
+                     study_cells)
 
 # Host work per layer and forward pass of a 9-row decode batch with oracle and certificates (Python,
 # dispatch, the cache's bookkeeping): 2.0 ms measured with benchmarks/plan_check.py on the 2-core machine
@@ -135,16 +136,14 @@ def cell_plan(config, run_cfg: dict[str, Any], dtype: str, device_type: str) -> 
 def plan_jobs(scale: dict[str, Any]) -> dict[str, int]:
     """Jobs per rule of a loaded scale, as the workflow instantiates them (``snakemake -n`` lists the same,
     less the fetch rules and verify_preregistration when their outputs exist)."""
-    from .scales import longbench_subsets
-
-    cells = {f"{study}/{cell}": spec for (study, cell), spec in study_cells(scale).items()}
-    computed = [name for name, st in studies(scale).items() if not st["archived"]]
+    found, explore, by_study = studies(scale), exploratory(scale), study_cells(scale)
+    cells = {f"{study}/{cell}": spec for (study, cell), spec in by_study.items()}
+    computed = [name for name, st in found.items() if not st["archived"]]
     jobs = {"cell": len(shard_list(cells))}
     # The other rules as the workflow instantiates them: per computed study (claims, accuracy), per study
     # that runs its own cells outside the exploratory ones (calibration by layer), per exploratory study
     # (sensitivity table), once for the tables and notebooks of a scale with studies, and Snakemake's `all`.
-    found, explore = studies(scale), exploratory(scale)
-    calibrated = {study for study, _ in study_cells(scale)} - set(explore)
+    calibrated = {study for study, _ in by_study} - set(explore)
     jobs.update({"fetch_model": len({c["model"] for c in cells.values()}), "verify_preregistration": 1})
     if found:
         jobs.update({"claim": 7 * len(computed), "accuracy": len(computed), "aggregate": 1, "notebook_claims": 1,
