@@ -46,7 +46,7 @@ def _check_keys(cfg) -> None:
 
 
 def _options(cfg) -> dict:
-    """The fit's own options, checked: level (None: the default, 1 − delta/2), unit, base, relative_term."""
+    """The fit's own options, checked: level (None: the default, 1 − delta/5), unit, base, relative_term."""
     from .config import _flag, _number
 
     level = cfg.get("level")
