@@ -16,8 +16,8 @@ import pytest
 from kvcert.runner import calibrate, cli
 
 # Five new tokens: 20 calibration prompts then give each layer the ≥ 99 rows a finite quantile at the
-# default level (0.99) needs.
-BASE = ["progress=false", "threads=1", "data=ruler", "data.context_tokens=200", "+data.max_new_tokens=5",
+# default level (0.99) needs. shard_by=task: both halves hold the workload's two tasks.
+BASE = ["progress=false", "threads=1", "data=ruler", "data.context_tokens=200", "+data.max_new_tokens=5", "shard_by=task",
         "policies=[snapkv,uniform]", "designs=[topk,poisson]", "budgets=[0.5]", "seeds=[0]"]
 
 
@@ -70,6 +70,7 @@ def test_the_file_is_bound_to_the_model_and_the_design(fitted):
     assert payload["design"] == {"n_sink": 4, "n_recent": 32, "head_fraction": 0.5, "pi_min": 0.001, "delta": 0.05,
                                  "observation_window": 16, "policy_options": {}}
     assert payload["fitted_on"]["items"] == 20 and payload["fitted_on"]["settings"] == ["question_aware"]
+    assert payload["fitted_on"]["tasks"] == {"niah_multikey_2": 10, "niah_multikey_4": 10}
     strata = {(s["policy"], s["design"], s["budget"]) for s in payload["strata"]}
     assert strata == {("snapkv", "poisson", 0.5), ("uniform", "poisson", 0.5)}  # topk has no certificate
     assert all(len(s["factors"]) == payload["model"]["num_layers"] for s in payload["strata"])
@@ -126,6 +127,15 @@ RUN_CASES = [
     ("other-budget", ["budgets=[0.3]"], "calibration={file}",
      "calibration={file} has no factors for setting=question_aware policy=snapkv design=poisson budget=0.3"),
     ("other-setting", ["setting=streaming"], "calibration={file}", "has no factors for setting=streaming"),
+    # n_items=2: the first prompt of each task, both in shard 0 of 2 (by task) that the file was fitted on
+    ("calibration-prompts", [], "calibration={file}",
+     "calibration={file} was fitted on 2 of this run's 2 prompts (e.g. ruler/niah_multikey_2/s0/00000): evaluate on "
+     "prompts it never saw"),
+    ("unseen-task", ["data.tasks=[niah_single]"], "calibration={file}",
+     "calibration={file} was fitted on tasks ['niah_multikey_2', 'niah_multikey_4'], but this run holds ['niah_single']"),
+    # shard 1 of 2 by item is every second item of the workload: one task only, and half of it calibrated on
+    ("task-pure-shard", ["n_items=40", "n_shards=2", "shard=1", "shard_by=item"], "calibration={file}",
+     "calibration={file} was fitted on 10 of this run's 20 prompts"),
 ]
 
 
@@ -134,12 +144,21 @@ def test_kvcert_run_refuses_a_file_that_does_not_fit(fitted, env, tmp_path, caps
     (tmp_path / "bad.json").write_text("{")
     fill = {"d": tmp_path, "file": fitted["file"], "mqa": env["qwen2_mqa"]}
     out = tmp_path / "out" / "cell"
-    argv = [*BASE, *fitted["model"], "n_items=2", *[e.format(**fill) for e in extra], option.format(**fill),
+    n_items = [] if any(e.startswith("n_items=") for e in extra) else ["n_items=2"]
+    argv = [*BASE, *fitted["model"], *n_items, *[e.format(**fill) for e in extra], option.format(**fill),
             f"out_dir={out}"]
     rc = cli.main(argv)
     last = _last_line(capsys.readouterr().err)
     assert rc == 2 and last.startswith("kvcert-run: error: ") and expected.format(**fill) in last, last
     assert not out.exists() and not (tmp_path / "out").exists()
+
+
+def test_the_prompt_check_can_be_switched_off(fitted, env, tmp_path):
+    """check_calibration_prompts=false runs on the calibration prompts themselves (e.g. to read in-sample coverage)."""
+    out = tmp_path / "in-sample"
+    assert cli.main([*BASE, *fitted["model"], "n_items=2", f"calibration={fitted['file']}",
+                     "check_calibration_prompts=false", f"out_dir={out}"]) == 0
+    assert pd.read_parquet(out / "items.parquet")["coverage_calibrated"].notna().any()
 
 
 # --- kvcert-calibrate refusals -------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ CASES = [
     ("seeds-not-int", RULER, ["seeds=[a]"], "seeds: 'a' is not an integer", False),
     ("n-shards-zero", RULER, ["n_shards=0"], "n_shards=0: must be >= 1", False),
     ("shard-out-of-range", RULER, ["shard=3", "n_shards=2"], "shard=3: must be < n_shards=2", False),
+    ("shard-by-unknown", RULER, ["shard_by=prompt"], "shard_by='prompt' is unknown; known: ['item', 'task']", False),
     ("delta-above-one", RULER, ["delta=2"], "delta=2.0: must be <= 0.999", False),
     ("delta-zero", RULER, ["delta=0"], "delta=0.0: must be > 0.0", False),
     ("n-items-zero", RULER, ["n_items=0"], "n_items=0: must be >= 1", False),

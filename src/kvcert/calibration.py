@@ -301,6 +301,31 @@ class Calibration:
                 f"budget={_budget_key(budget)}; it holds (setting/policy/design/budget): {held}")
         return self.strata[key]
 
+    def check_prompts(self, prompts: Iterable[tuple[str, str]]) -> None:
+        """Refuse evaluation prompts the factors were fitted on, or of a task they never saw.
+
+        prompts: (item id, task) of every prompt the file is about to be used on. The guarantee assumes
+        prompts exchangeable with the calibration set; a prompt of the calibration set makes coverage
+        optimistic, and a task absent from it is a shift the factors know nothing about. Files that do not
+        record their tasks (written before they did) are checked on item ids only.
+        """
+        prompts = list(prompts)
+        fitted = set(self.fitted_on.get("item_ids") or ())
+        reused = sorted(i for i, _ in prompts if i in fitted)
+        if reused:
+            raise CalibrationError(
+                f"calibration={self.source} was fitted on {len(reused)} of this run's {len(prompts)} prompts "
+                f"(e.g. {reused[0]}): evaluate on prompts it never saw (another shard: same n_shards and shard_by, "
+                "another shard index), or set check_calibration_prompts=false")
+        tasks = self.fitted_on.get("tasks")
+        if tasks:
+            unseen = sorted({t for _, t in prompts} - set(tasks))
+            if unseen:
+                raise CalibrationError(
+                    f"calibration={self.source} was fitted on tasks {sorted(tasks)}, but this run holds {unseen}: the "
+                    "factors assume prompts like the calibration set's; calibrate on these tasks (with several "
+                    "tasks, shard both runs with shard_by=task), or set check_calibration_prompts=false")
+
     def check_configurations(self, setting: str, configurations: Iterable[tuple[str, str, float]]) -> None:
         """Every (policy, design, budget) with a certificate (design ``poisson``) must have factors."""
         for policy, design, budget in configurations:

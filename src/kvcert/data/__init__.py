@@ -25,18 +25,47 @@ Workloads (``load_items(name, cfg, tokenizer, n_items)``):
 - ``jsonl``: ready-made items from a JSON-lines file (:mod:`kvcert.data.jsonl`).
 """
 
+from __future__ import annotations
+
+from collections import defaultdict
+
 from .item import Item
 from .metrics import CORRECT_THRESHOLDS, METRICS, is_correct, score, score_item
 from .registry import WORKLOADS, load_items, register_workload
+
+SHARD_BY = ("item", "task")
+
+
+def shard_items(items: list[Item], shard: int, n_shards: int, by: str = "item") -> list[Item]:
+    """Shard ``shard`` of ``n_shards`` of a workload's items, in workload order.
+
+    ``by="item"``: items shard, shard + n_shards, … of the workload (every committed record was sharded
+    so). ``by="task"``: the same within each task, so that every shard holds the workload's mix of tasks.
+    Calibration needs the latter: the generators interleave tasks round-robin, so the ``item`` shards of a
+    two-task workload split in two are one task each, a task shift rather than exchangeable halves.
+    """
+    if by == "item":
+        return items[shard::n_shards]
+    if by != "task":
+        raise ValueError(f"shard_by={by!r} is unknown; known: {list(SHARD_BY)}")
+    seen: dict[str, int] = defaultdict(int)
+    kept = []
+    for item in items:
+        if seen[item.task] % n_shards == shard:
+            kept.append(item)
+        seen[item.task] += 1
+    return kept
 
 __all__ = [
     "CORRECT_THRESHOLDS",
     "Item",
     "METRICS",
+    "SHARD_BY",
     "WORKLOADS",
     "is_correct",
     "load_items",
     "register_workload",
     "score",
     "score_item",
+    "shard_items",
 ]

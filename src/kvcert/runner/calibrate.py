@@ -6,9 +6,10 @@
 The first form runs one oracle cell on the calibration prompts (the same model, data and design overrides
 as ``kvcert-run``; its tables go to a temporary folder, or to ``out_dir`` where a rerun resumes them) and
 fits from it; the second fits from oracle cells run before (they must agree on the model and the design's
-knobs). Either way the prompts must be disjoint from those the file will be used on (e.g. ``shard=0
-n_shards=2`` here, ``shard=1 n_shards=2`` for ``kvcert-run ... calibration=<file>``). Bad input ends in one
-line naming the key, value or file, exit 2, and no file written.
+knobs). Either way the prompts must be disjoint from those the file will be used on and hold the same mix
+of tasks (e.g. ``shard=0 n_shards=2 shard_by=task`` here, ``shard=1 n_shards=2 shard_by=task`` for
+``kvcert-run ... calibration=<file>``, which refuses prompts of the calibration set and tasks it never saw).
+Bad input ends in one line naming the key, value or file, exit 2, and no file written.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def _fit_from_run(cfg, options: dict, out: Path):
     """Run the calibration cell (checked like kvcert-run first), then read its tables."""
     from omegaconf import OmegaConf
 
-    from ..data import load_items
+    from ..data import load_items, shard_items
     from ..models import load_tokenizer
     from .cell import check_out_dir, run_cell
     from .config import validate
@@ -108,7 +109,8 @@ def _fit_from_run(cfg, options: dict, out: Path):
                           "include poisson")
     spec = ModelSpec.parse(OmegaConf.to_container(run_cfg.model, resolve=True))
     data_cfg = OmegaConf.to_container(run_cfg.data, resolve=True)
-    n_prompts = len(load_items(data_cfg.get("name"), data_cfg, load_tokenizer(spec), cell.n_items)[cell.shard::cell.n_shards])
+    items = load_items(data_cfg.get("name"), data_cfg, load_tokenizer(spec), cell.n_items)
+    n_prompts = len(shard_items(items, cell.shard, cell.n_shards, cell.shard_by))
     level = options["level"] or default_level(cell.delta)
     need = needed_prompts(level, options["unit"], cell.delta)
     if n_prompts < need:
@@ -194,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         model, _ = load_model(spec)
         identity = {**model_identity(model), "name": spec.name or spec.path or spec.kind,
                     "fingerprint": model_fingerprint(spec)}
-        item_ids = sorted(set(items["item_id"].astype(str)))
-        fitted_on = {"items": len(item_ids), "item_ids": item_ids, "settings": sorted(set(items["setting"])),
+        prompts = items[["item_id", "task"]].astype(str).drop_duplicates("item_id")
+        item_ids = sorted(prompts["item_id"])
+        tasks = {str(t): int(n) for t, n in sorted(prompts["task"].value_counts().items())}
+        fitted_on = {"items": len(item_ids), "item_ids": item_ids, "tasks": tasks, "settings": sorted(set(items["setting"])),
                      "data": sorted(set(items["data"].astype(str))), "code_fingerprint": code_fingerprint()}
         calibration = fit_calibration(steps, model=identity, design=_knobs(cell), fitted_on=fitted_on, **options)
         calibration.save(out)

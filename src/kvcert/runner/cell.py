@@ -21,8 +21,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..atomic import unwritable_reason, write_parquet_atomic, write_text_atomic
-from ..calibration import apply_calibration, calibration_summary, prepare_calibration
-from ..data import Item, is_correct, load_items, score_item
+from ..calibration import Calibration, apply_calibration, calibration_summary, prepare_calibration
+from ..data import Item, is_correct, load_items, score_item, shard_items
 from ..errors import ConfigError
 from ..generation import FULL, Prefill, decode_batch, eos_ids, item_seed, prefill, select
 from ..kernels import attention_path
@@ -40,7 +40,7 @@ PARTS = ".parts"
 _IDENTITY_KEYS = (
     "data", "model", "policies", "designs", "budgets", "seeds", "extra_grids", "setting", "n_items", "shard", "n_shards",
     "oracle", "certify", "delta", "observation_window", "design_options", "max_context_tokens", "truncate",
-    "store_steps", "policy_options", "calibration",
+    "store_steps", "policy_options", "calibration", "shard_by",
 )
 
 
@@ -158,13 +158,15 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
     start = time.perf_counter()
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     items = load_items(data_cfg.get("name"), data_cfg, tokenizer, cell.n_items)
-    shard_items = items[cell.shard :: cell.n_shards]
+    shard = shard_items(items, cell.shard, cell.n_shards, cell.shard_by)
     timings["load_data"] = time.perf_counter() - start
-    if not shard_items:
+    if not shard:
         raise ConfigError(f"shard={cell.shard} of n_shards={cell.n_shards} has no items (n_items={len(items)})")
+    if isinstance(cell.calibration, Calibration) and cell.check_calibration_prompts:
+        cell.calibration.check_prompts((item.id, item.task) for item in shard)
     limit = model_limit(model, cell.max_context_tokens)
     # Every item's prompt is tokenized (and so checked) before anything is written.
-    prompts = [item_prompt(tokenizer, item, cell.setting, limit, cell.truncate) for item in shard_items]
+    prompts = [item_prompt(tokenizer, item, cell.setting, limit, cell.truncate) for item in shard]
 
     parts = out_dir / PARTS
     identity = _identity(cfg, items, code_fingerprint())
@@ -181,7 +183,7 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
         _remove_empty(created)
         raise ConfigError(f"out_dir={out_dir}: cannot write there ({err.strerror or err})") from None
     try:
-        return _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, prompts, parts, out_dir, identity,
+        return _run_items(cfg, cell, spec, model, tokenizer, items, shard, prompts, parts, out_dir, identity,
                           timings, wall)
     except BaseException:
         # A failure before any item finished leaves nothing behind; finished items are kept for the rerun.
@@ -234,18 +236,18 @@ def _remove_empty(dirs: list[Path]) -> None:
             break
 
 
-def _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, prompts, parts, out_dir, identity, timings, wall):
+def _run_items(cfg, cell, spec, model, tokenizer, items, shard, prompts, parts, out_dir, identity, timings, wall):
     from omegaconf import OmegaConf
 
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     meta = {"model": spec.kind if spec.kind != "hf" else str(spec.name), "data": data_cfg.get("name")}
     if spec.kind == "gguf":
         meta["model"] = Path(spec.path).stem
-    done = [i for i in range(len(shard_items)) if (parts / f"{i:06d}.items.parquet").exists()]
+    done = [i for i in range(len(shard)) if (parts / f"{i:06d}.items.parquet").exists()]
     timings["resumed_items"] = len(done)
-    bar = tqdm(total=len(shard_items), initial=len(done), desc=f"cell shard {cell.shard}/{cell.n_shards}",
+    bar = tqdm(total=len(shard), initial=len(done), desc=f"cell shard {cell.shard}/{cell.n_shards}",
                unit="item", file=sys.stderr, disable=not cfg.get("progress", True), dynamic_ncols=True)
-    for index, item in enumerate(shard_items):
+    for index, item in enumerate(shard):
         if index in done:
             continue
         item_rows, step_rows = run_item(model, tokenizer, item, prompts[index], cell, meta, timings)
@@ -258,9 +260,9 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, prompts, p
 
     start = time.perf_counter()
     items_frame = pd.concat(
-        [pd.read_parquet(parts / f"{i:06d}.items.parquet") for i in range(len(shard_items))], ignore_index=True
+        [pd.read_parquet(parts / f"{i:06d}.items.parquet") for i in range(len(shard))], ignore_index=True
     )
-    step_parts = [pd.read_parquet(parts / f"{i:06d}.steps.parquet") for i in range(len(shard_items))]
+    step_parts = [pd.read_parquet(parts / f"{i:06d}.steps.parquet") for i in range(len(shard))]
     step_parts = [p for p in step_parts if len(p)]
     steps_frame = pd.concat(step_parts, ignore_index=True) if step_parts else empty_step_table()
     outputs = {"steps.parquet": out_dir / "steps.parquet", "items.parquet": out_dir / "items.parquet",
@@ -273,7 +275,7 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard_items, prompts, p
     parameter = next(model.parameters())
     certified = (cell.certify or cell.oracle) and any(not c.is_full for c in cell.configurations())
     path = attention_path(parameter.dtype, parameter.device).as_dict() if certified else None
-    manifest = build_manifest(spec, model, identity["items_sha256"], dict(timings), len(shard_items),
+    manifest = build_manifest(spec, model, identity["items_sha256"], dict(timings), len(shard),
                               len(items_frame), path, outputs, fingerprint=identity["code_fingerprint"])
     write_text_atomic(json.dumps(manifest, indent=2, sort_keys=True), out_dir / "manifest.json")
     # The cell is complete: its checkpoints are redundant, and a later run (another code, another config)

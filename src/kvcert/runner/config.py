@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..calibration import load_calibration
+from ..data import SHARD_BY
 from ..designs import DESIGNS, DesignOptions
 from ..errors import ConfigError
 from ..generation import FULL
@@ -52,6 +53,8 @@ class CellConfig:
     store_steps: bool = True
     policy_options: dict = field(default_factory=dict)
     calibration: object = None  # None, "design", or a kvcert.calibration.Calibration (checked against the model later)
+    shard_by: str = "item"  # kvcert.data.shard_items: "item" or "task"
+    check_calibration_prompts: bool = True  # refuse calibration prompts and unseen tasks among a run's prompts
 
     @property
     def grids(self) -> tuple[Grid, ...]:
@@ -226,6 +229,9 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
     shard = _number(cfg, "shard", int, low=0)
     if shard >= n_shards:
         raise ConfigError(f"shard={shard}: must be < n_shards={n_shards}")
+    shard_by = cfg.get("shard_by", "item")  # configs written before the key existed sharded by item
+    if shard_by not in SHARD_BY:
+        raise ConfigError(f"shard_by={shard_by!r} is unknown; known: {list(SHARD_BY)}")
     truncate = cfg.get("truncate")
     if truncate not in TRUNCATE:
         raise ConfigError(f"truncate={truncate!r} is unknown; known: {list(TRUNCATE)}")
@@ -262,4 +268,6 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
         store_steps=_flag(cfg, "store_steps", True),
         policy_options=_policy_options(cfg),
         calibration=load_calibration(cfg.get("calibration")),
+        shard_by=shard_by,
+        check_calibration_prompts=_flag(cfg, "check_calibration_prompts", True),
     )
