@@ -2,8 +2,8 @@
 method's defaults were not chosen on (they were chosen on SmolLM2 with one and two pass keys in a noise
 haystack; here: multi-value and multi-query needles in a prose haystack, ~600 tokens):
 
-1. ``kvcert-calibrate`` on half of the prompts (shard 0 of 2: 20 prompts);
-2. ``kvcert-run ... calibration=<file>`` on the other half (shard 1 of 2: 20 prompts, never calibrated on);
+1. ``kvcert-calibrate`` on half of the prompts (shard 0 of 2 by task: 10 of each task);
+2. ``kvcert-run ... calibration=<file>`` on the other half (shard 1 of 2 by task: 20 prompts, never calibrated on);
 3. at budgets 0.25 and 0.5, the worst layer's ``coverage_calibrated`` is at least 0.90, and the median
    ``cert_calibrated`` is at most 1.5 times the median ``cert``.
 
@@ -25,7 +25,7 @@ from kvcert.runner import calibrate, cli
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow, pytest.mark.heldout]
 
 WORKLOAD = ["data=ruler", "data.tasks=[niah_multivalue_2,niah_multiquery_2]", "data.haystack=prose",
-            "data.context_tokens=600", "data.seed=3", "n_items=40", "n_shards=2", "policies=[snapkv]",
+            "data.context_tokens=600", "data.seed=3", "n_items=40", "n_shards=2", "shard_by=task", "policies=[snapkv]",
             "designs=[poisson]", "budgets=[0.25,0.5]", "seeds=[0]", "setting=question_aware", "threads=1",
             "progress=false"]
 
@@ -38,6 +38,8 @@ def test_calibrated_certificate_holds_in_every_layer_on_held_out_prompts(tmp_pat
     steps = pd.read_parquet(run / "steps.parquet")
     steps = steps[steps["design"] == "poisson"]
     assert steps["item_id"].nunique() == 20
+    assert pd.read_parquet(run / "items.parquet").groupby("task")["item_id"].nunique().to_dict() == {
+        "niah_multivalue_2": 10, "niah_multiquery_2": 10}  # both halves hold both tasks
     for budget in (0.25, 0.5):
         rows = steps[np.isclose(steps["budget"], budget)]
         per_layer = rows.groupby("layer")["coverage_calibrated"].mean()
