@@ -45,14 +45,17 @@ def read_steps(cells: list[str]) -> pd.DataFrame:
 
 
 def methods(has_tail_ess: bool) -> dict[str, dict | None]:
-    """name -> fit options (None: no fitting). "conformal L": the default family (per-layer base ε̂ + τ‖ô‖,
-    row unit) at level L, whose levels 0.9-0.99 trace the trade-off curve; "× ε̂" variants scale ε̂ alone."""
+    """name -> fit options (None: no fitting). "conformal L": the family (per-layer base ε̂ + τ‖ô‖, row unit) at
+    level L, whose levels 0.9-0.99 trace the trade-off curve; "≥ ε̂": the same, never below ε̂ on any row (the
+    default since the third confirmation, docs/CALIBRATION-LEVEL.md); "× ε̂" variants scale ε̂ alone."""
     out: dict[str, dict | None] = {"paper": None}
     if has_tail_ess:
         out["design z=1"] = None
         out["design z=2"] = None
     for level in (0.9, 0.95, 0.975, 0.99):
         out[f"conformal {level:g}"] = {"level": level}
+    for level in (0.95, 0.975, 0.99):
+        out[f"conformal {level:g} ≥ ε̂"] = {"level": level, "never_below_paper": True}
     for level in (0.95, 0.975):
         out[f"conformal {level:g} × ε̂"] = {"level": level, "relative_term": False}
     out["conformal 0.95 prompt unit"] = {"level": 0.95, "unit": "prompt"}
@@ -75,7 +78,8 @@ def cross_fit(steps: pd.DataFrame, folds: int, options: dict) -> np.ndarray:
         train, test = fold != k, fold == k
         cal = fit_calibration(fit_rows[train], model={"num_layers": n_layers}, design={"delta": DELTA},
                               level=options["level"], unit=options.get("unit", "row"),
-                              base=options.get("base", "paper"), relative_term=options.get("relative_term", True))
+                              base=options.get("base", "paper"), relative_term=options.get("relative_term", True),
+                              never_below_paper=options.get("never_below_paper", False))
         held = fit_rows[test]
         for key, index in held.groupby(["setting", "policy", "design", "budget"]).indices.items():
             rows = held.iloc[index]

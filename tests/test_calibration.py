@@ -154,11 +154,14 @@ MODEL = {"model_type": "llama", "num_layers": 3, "config_sha256": "c" * 64, "wei
 KNOBS = design_knobs(DesignOptions(), delta=0.05, observation_window=16)
 
 
-def _expected(stratum: dict, rows: pd.DataFrame) -> np.ndarray:
-    """The contract of a stratum: q_ℓ · (cert_weight_ℓ · ε̂ + norm_weight_ℓ · ‖ô‖) for a row of layer ℓ."""
+def _expected(stratum: dict, rows: pd.DataFrame, never_below_paper: bool = True) -> np.ndarray:
+    """The contract of a stratum: q_ℓ · (cert_weight_ℓ · ε̂ + norm_weight_ℓ · ‖ô‖) for a row of layer ℓ, and at
+    least ε̂ where the file says so (the default)."""
     layer = rows["layer"].to_numpy()
     pick = lambda name: np.asarray(stratum[name], dtype=float)[layer]  # noqa: E731
-    return pick("factors") * (pick("cert_weights") * rows["cert"].to_numpy() + pick("norm_weights") * rows["out_norm"].to_numpy())
+    cert = rows["cert"].to_numpy()
+    scaled = pick("factors") * (pick("cert_weights") * cert + pick("norm_weights") * rows["out_norm"].to_numpy())
+    return np.maximum(scaled, cert) if never_below_paper else scaled
 
 
 def test_fit_gives_one_factor_per_layer_and_stratum_that_is_the_conformal_quantile():
@@ -189,7 +192,7 @@ def test_the_relative_term_is_picked_per_layer_where_it_narrows_the_certificate(
     steps.loc[blind, "true_err"] = 0.2 * steps.loc[blind, "out_norm"] * rng.uniform(0, 1, int(blind.sum()))
     # A level at which this example's ε̂-shaped layer 0 is best served by ε̂ alone: at 0.99 the quantile of its 192
     # rows is their largest ratio, which τ = 0.003 happens to narrow; the choice is made per level, as checked below.
-    cal = fit_calibration(steps, model=MODEL, design=KNOBS, level=0.975)
+    cal = fit_calibration(steps, model=MODEL, design=KNOBS, level=0.975, never_below_paper=False)
     stratum = cal.strata[("question_aware", "snapkv", "poisson", "0.25")]
     assert (stratum["cert_weights"][0], stratum["norm_weights"][0]) == (1.0, 0.0)
     assert stratum["norm_weights"][2] > 0 and stratum["factors"][2] < 1e3
@@ -223,6 +226,7 @@ def test_a_file_round_trips_and_says_what_it_is(tmp_path):
     assert payload["design"]["pi_min"] == 0.001 and payload["design"]["delta"] == 0.05
     back = Calibration.load(path)
     assert back.strata == cal.strata and back.model == cal.model and back.design == cal.design
+    assert payload["never_below_paper"] is True and back.never_below_paper is True
     assert path.stat().st_size < 20_000  # small: per layer, a factor and a row count
 
 
@@ -320,6 +324,45 @@ def test_apply_multiplies_the_certificate_by_its_layer_factor_and_scores_it():
     serving = apply_calibration(cal, rows.assign(true_err=np.nan), design="poisson", policy="snapkv", budget=0.25,
                                 setting="question_aware", checked=True)
     assert serving["cert_calibrated"].notna().all() and serving["coverage_calibrated"].isna().all()
+
+
+def test_the_default_certificate_never_narrows_the_papers_and_covers_at_least_what_either_covers():
+    """never_below_paper (the default): max(q · b, ε̂) row by row, so in every layer it covers each row that ε̂ or
+    the scaled certificate covers; without it the factor may narrow ε̂ below what ε̂ itself covered."""
+    train, test = _steps(seed=1), _steps(seed=2)
+    rows = test[test["budget"] == 0.25].reset_index(drop=True)
+    floored = fit_calibration(train, model=MODEL, design=KNOBS)
+    plain = fit_calibration(train, model=MODEL, design=KNOBS, never_below_paper=False)
+    assert floored.never_below_paper and not plain.never_below_paper
+    apply = lambda cal: apply_calibration(cal, rows, design="poisson", policy="snapkv", budget=0.25,  # noqa: E731
+                                          setting="question_aware", checked=True)
+    high, low = apply(floored), apply(plain)
+    assert (high["cert_calibrated"] >= rows["cert"]).all()
+    assert (low["cert_calibrated"] < rows["cert"]).any()  # this example's factors do narrow ε̂ in some layer
+    hit_paper = rows["true_err"] <= rows["cert"]
+    for layer, sub in high.groupby("layer"):
+        at = rows["layer"] == layer
+        either = (hit_paper[at] | (low.loc[at, "coverage_calibrated"] == 1.0)).mean()
+        assert sub["coverage_calibrated"].mean() >= either - 1e-12
+
+
+def test_the_floor_is_applied_when_serving_and_leaves_the_fit_as_it_is():
+    steps = _steps(seed=5)
+    floored = fit_calibration(steps, model=MODEL, design=KNOBS)
+    plain = fit_calibration(steps, model=MODEL, design=KNOBS, never_below_paper=False)
+    assert floored.strata == plain.strata
+
+
+def test_files_written_before_the_floor_existed_apply_as_they_were_fitted(tmp_path):
+    payload = fit_calibration(_steps(), model=MODEL, design=KNOBS, never_below_paper=False).to_dict()
+    del payload["never_below_paper"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(payload))
+    assert Calibration.load(path).never_below_paper is False
+    payload["never_below_paper"] = "yes"
+    path.write_text(json.dumps(payload))
+    with pytest.raises(CalibrationError, match="field 'never_below_paper' has the wrong type"):
+        Calibration.load(path)
 
 
 def test_the_design_correction_needs_no_file_and_the_summary_is_relative():

@@ -87,6 +87,8 @@ def test_the_run_adds_calibrated_columns_from_the_files_factors(fitted):
         layer = rows["layer"].to_numpy()
         pick = lambda name: np.asarray(stratum[name], dtype=float)[layer]  # noqa: E731
         expected = pick("factors") * (pick("cert_weights") * rows["cert"] + pick("norm_weights") * rows["out_norm"])
+        assert payload["never_below_paper"] is True  # the default: never narrower than the paper's certificate
+        expected = np.maximum(expected, rows["cert"])
         np.testing.assert_allclose(rows["cert_calibrated"], expected, rtol=1e-5)
         covered = (rows["true_err"] <= rows["cert_calibrated"]).astype("float32")
         np.testing.assert_array_equal(rows["coverage_calibrated"], covered)

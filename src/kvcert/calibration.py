@@ -188,8 +188,9 @@ class Calibration:
 
     strata: {(setting, policy, design, budget-string): {"factors": [q per layer], "cert_weights": [1 or 0 per
     layer], "norm_weights": [τ per layer], "rows": [n per layer], "prompts": m}}: layer ℓ's certificate is
-    q_ℓ · (cert_weight_ℓ · base + norm_weight_ℓ · ‖ô‖), base = ε̂ (or its design-based inflation). A factor of
-    None means the layer had no calibration rows (its certificate is NaN).
+    q_ℓ · (cert_weight_ℓ · base + norm_weight_ℓ · ‖ô‖), base = ε̂ (or its design-based inflation), and with
+    ``never_below_paper`` at least ε̂ itself. A factor of None means the layer had no calibration rows (its
+    certificate is NaN). Files written before ``never_below_paper`` existed read as False (as they were fitted).
     """
 
     method: str
@@ -200,6 +201,7 @@ class Calibration:
     design: dict
     strata: dict = field(default_factory=dict)
     fitted_on: dict = field(default_factory=dict)
+    never_below_paper: bool = False
     source: str = ""  # where it was read from (messages), not stored
 
     # --- JSON ---
@@ -208,8 +210,8 @@ class Calibration:
         strata = [{"setting": k[0], "policy": k[1], "design": k[2], "budget": float(k[3]), **v}
                   for k, v in sorted(self.strata.items())]
         return {"format": FORMAT, "version": VERSION, "method": self.method, "level": self.level, "base": self.base,
-                "unit": self.unit, "model": self.model, "design": self.design, "fitted_on": self.fitted_on,
-                "strata": strata}
+                "unit": self.unit, "never_below_paper": self.never_below_paper, "model": self.model,
+                "design": self.design, "fitted_on": self.fitted_on, "strata": strata}
 
     def save(self, path: str | Path) -> None:
         write_json_atomic(self.to_dict(), path)
@@ -253,9 +255,12 @@ class Calibration:
         level = need("level", (int, float))
         if not 0.0 < float(level) < 1.0:
             raise CalibrationError(f"calibration={source}: level={level} must lie in (0, 1)")
+        never_below_paper = payload.get("never_below_paper", False)
+        if not isinstance(never_below_paper, bool):
+            raise CalibrationError(f"calibration={source}: field 'never_below_paper' has the wrong type")
         return cls(method=method, level=float(level), base=base, unit=unit, model=dict(need("model", dict)),
                    design=dict(need("design", dict)), strata=strata, fitted_on=dict(payload.get("fitted_on") or {}),
-                   source=source)
+                   never_below_paper=never_below_paper, source=source)
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
@@ -347,7 +352,7 @@ def load_calibration(value) -> Calibration | str | None:
 
 def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, level: float | None = None,
                     base: str = "paper", unit: str = "row", relative_term: bool = True,
-                    fitted_on: Mapping | None = None) -> Calibration:
+                    never_below_paper: bool = True, fitted_on: Mapping | None = None) -> Calibration:
     """Per-layer conformal factors from oracle step rows (``KEY_COLUMNS`` + ``STEP_COLUMNS``).
 
     One stratum per (setting, policy, design, budget) with a certificate; within it, per layer
@@ -357,8 +362,10 @@ def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, lev
     of the candidates τ ∈ ``NORM_WEIGHTS`` and ‖ô‖ alone that rank the layer's calibration errors (Spearman)
     at most ``RANK_TOLERANCE`` worse than ε̂ does, the one whose certificate q · b has the smallest median over
     the layer's calibration rows (τ is chosen on the same rows, which makes the level approximate; the
-    held-out coverage is measured in README). Rows without a true error (oracle off) or without a certificate
-    are ignored.
+    held-out coverage is measured in README). ``never_below_paper`` leaves the fit as it is and is recorded in
+    the file: the certificate applied is then max(q · b, ε̂) row by row, so that calibration widens the paper's
+    certificate where it fails and never narrows it (docs/CALIBRATION-LEVEL.md, *Third confirmation*). Rows
+    without a true error (oracle off) or without a certificate are ignored.
     """
     if base not in BASES:
         raise CalibrationError(f"base={base!r} is unknown; known: {list(BASES)}")
@@ -416,7 +423,7 @@ def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, lev
         strata[(str(setting), str(policy), str(design_name), _budget_key(budget))] = {
             **fitted, "prompts": int(len(np.unique(items)))}
     return Calibration(method="conformal", level=level, base=base, unit=unit, model=dict(model), design=dict(design),
-                       strata=strata, fitted_on=dict(fitted_on or {}))
+                       strata=strata, fitted_on=dict(fitted_on or {}), never_below_paper=bool(never_below_paper))
 
 
 def _rank_correlation(x: np.ndarray, y: np.ndarray) -> float:
@@ -467,6 +474,8 @@ def calibrated_certificate(calibration: Calibration | str, steps: pd.DataFrame, 
     norm_w = np.asarray(stratum["norm_weights"], dtype=float)[layers]
     base, norm = _base(steps, calibration.base), output_norm(steps)
     calibrated = factors[layers] * (cert_w * np.nan_to_num(base) + norm_w * norm)
+    if calibration.never_below_paper:
+        calibrated = np.maximum(calibrated, np.nan_to_num(cert))
     # ε̂ is NaN exactly where there is no certificate (deterministic rows): keep that NaN whatever the weights
     return np.where(np.isfinite(base), np.maximum(calibrated, ROUNDING * norm), np.nan)
 

@@ -30,7 +30,7 @@ from ..models import ModelSpec, load_model, model_fingerprint
 from ..provenance import code_fingerprint
 
 APP = "kvcert-calibrate"
-_OWN_KEYS = ("out", "level", "unit", "base", "relative_term", "cells")
+_OWN_KEYS = ("out", "level", "unit", "base", "relative_term", "never_below_paper", "cells")
 
 
 def _check_keys(cfg) -> None:
@@ -47,7 +47,8 @@ def _check_keys(cfg) -> None:
 
 
 def _options(cfg) -> dict:
-    """The fit's own options, checked: level (None: the default, 1 − delta/5), unit, base, relative_term."""
+    """The fit's own options, checked: level (None: the default, 1 − delta/5), unit, base, relative_term,
+    never_below_paper."""
     from .config import _flag, _number
 
     level = cfg.get("level")
@@ -59,7 +60,8 @@ def _options(cfg) -> dict:
         if cfg.get(key) not in known:
             raise ConfigError(f"{key}={cfg.get(key)!r} is unknown; known: {list(known)}")
     return {"level": level, "unit": str(cfg.unit), "base": str(cfg.base),
-            "relative_term": _flag(cfg, "relative_term", True)}
+            "relative_term": _flag(cfg, "relative_term", True),
+            "never_below_paper": _flag(cfg, "never_below_paper", True)}
 
 
 def _check_out(out: Path) -> None:
