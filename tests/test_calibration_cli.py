@@ -185,6 +185,7 @@ CALIBRATE_CASES = [
     ("cells-not-a-list", ["cells={d}", "out={d}/c.json"], "expected a non-empty list of cell directories"),
     ("cells-missing", ["cells=[{d}/nope]", "out={d}/c.json"], "{d}/nope: missing cell directory"),
     ("cells-without-tables", ["cells=[{d}/empty]", "out={d}/c.json"], "{d}/empty/steps.parquet: missing"),
+    ("floor-not-a-flag", ["never_below_paper=maybe", "out={d}/c.json"], "never_below_paper='maybe': expected true or false"),
 ]
 
 
@@ -198,6 +199,17 @@ def test_kvcert_calibrate_bad_input_is_one_line_and_writes_nothing(tmp_path, cap
     assert rc == 2 and last.startswith("kvcert-calibrate: error: "), last
     assert expected.format(d=tmp_path) in last, last
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no file, no temporary cell left behind
+
+
+def test_readme_lists_every_refusal_of_both_tables():
+    """README's "Bad input" section has a row for each case above ({d}, {file} as written in the table)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("#### `kvcert-calibrate`"):]
+    section = section[: section.index("\n#### ", 10)]
+    for case in CALIBRATE_CASES:
+        assert case[2].format(d="<dir>") in section, case[0]
+    for case in RUN_CASES:
+        assert case[3].format(d="<dir>", file="<file>") in section, case[0]
 
 
 def test_kvcert_calibrate_needs_enough_prompts(env, tmp_path, capsys):
