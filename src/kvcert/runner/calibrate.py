@@ -225,7 +225,8 @@ def _report(calibration: Calibration, out: Path) -> None:
         factors = [f for f in stratum["factors"] if f is not None]
         print(f"{APP}: {setting} {policy} {design} budget {budget}: {stratum['prompts']} prompts, factors "
               f"{min(factors):.3g}-{max(factors):.3g} over {len(factors)} layers", file=sys.stderr)
-    print(f"{APP}: wrote {out} ({json.dumps({'level': calibration.level, 'unit': calibration.unit})})", file=sys.stderr)
+    options = {"level": calibration.level, "unit": calibration.unit, "never_below_paper": calibration.never_below_paper}
+    print(f"{APP}: wrote {out} ({json.dumps(options)})", file=sys.stderr)
 
 
 if __name__ == "__main__":
