@@ -194,7 +194,7 @@ def snakemake(repo: Path, *args, timeout=600):
 
 
 DAG_CASES = [
-    ("scale-unknown", ["--config", "scale=huge"], "kvcert workflow: error: --config scale=huge: unknown scale; known: default, paper, rehearse, sensitivity, smoke, v1, v2-full"),
+    ("scale-unknown", ["--config", "scale=huge"], "kvcert workflow: error: --config scale=huge: unknown scale; known: default, paper, rehearse, sensitivity, smoke, v1, v2, v2-full"),
     ("config-key-typo", ["--config", "scal=smoke"], "kvcert workflow: error: --config scal=...: unknown key (did you mean scale?)"),
     ("config-key-unknown", ["--config", "scale=smoke", "cores=4"], "kvcert workflow: error: --config cores=...: unknown key"),
 ]

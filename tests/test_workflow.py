@@ -70,7 +70,7 @@ def test_dry_run_is_clean(scale):
 def test_unknown_scale_is_one_clear_line():
     proc = snakemake("-n", "--config", "scale=huge")
     assert proc.returncode != 0
-    assert "--config scale=huge: unknown scale; known: default, paper, rehearse, sensitivity, smoke, v1, v2-full" in proc.stdout + proc.stderr
+    assert "--config scale=huge: unknown scale; known: default, paper, rehearse, sensitivity, smoke, v1, v2, v2-full" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

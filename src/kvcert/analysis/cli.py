@@ -30,8 +30,9 @@ DEFAULTS = {"cells": [], "figure_dir": "paper_figures", "figures": True, "prereg
 
 
 def _analysis(number: int):
-    """(registry, run_claim) of pre-registration version ``number``: version 1's frozen claims module, or the
-    amendment's module (imported only when asked for: it needs scikit-learn)."""
+    """(registry, run_claim) of pre-registration version ``number``: version 1's frozen claims module, or
+    amendment 2's module for versions 2 and 3 (amendment 3 changes the design's size, not the analysis;
+    imported only when asked for: it needs scikit-learn)."""
     if number == 1:
         return claims.REGISTRY, claims.run_claim
     from kvcert.analysis import amendment2

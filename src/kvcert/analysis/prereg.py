@@ -42,6 +42,7 @@ FROZEN_FILES = (
     "src/kvcert/analysis/claims.py",
 )
 AMENDMENT_2 = f"{PREREG_DIR}/amendment-2.yaml"
+AMENDMENT_3 = f"{PREREG_DIR}/amendment-3.yaml"
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,12 @@ VERSIONS = {
                 "src/kvcert/analysis/amendment2.py"),
                f"{PREREG_DIR}/PREREGISTRATION-AMENDMENT-2.md"),
 }
+# Amendment 3 resizes amendment 2's 90-minute design and keeps its analysis code: it freezes everything
+# version 2 froze, its own document, the resized design and its power analysis.
+VERSIONS[3] = Version(3, AMENDMENT_3, f"{PREREG_DIR}/amendment-3.lock",
+                      (*VERSIONS[2].files, AMENDMENT_3, f"{PREREG_DIR}/amendment-3/design.yaml",
+                       f"{PREREG_DIR}/amendment-3/power-90-minutes.yaml"),
+                      f"{PREREG_DIR}/PREREGISTRATION-AMENDMENT-3.md")
 LATEST = max(VERSIONS)
 CLAIM_KEYS = ("id", "title", "hypothesis", "population", "metric", "test", "decision", "paper_verdict", "paper_number")
 PAPER_VERDICTS = ("supported", "not supported")
@@ -240,7 +247,9 @@ def render_amendment(doc: dict, number: int) -> str:
             return [f"{pad}- {_fmt(item)}" for item in value]
         return [f"{pad}{_fmt(value)}"]
 
-    for key in AMENDMENT_KEYS[2:]:
+    # The required sections in their order, then any other top-level key in the document's order.
+    extra = [key for key in doc if key not in AMENDMENT_KEYS]
+    for key in (*AMENDMENT_KEYS[2:], *extra):
         out += [f"## {key.replace('_', ' ').capitalize()}", "", *block(doc[key], 0), ""]
     return "\n".join(out)
 
