@@ -52,7 +52,8 @@ smoke-reference: smoke
 	$(BIN)/python -c "import json; from kvcert.provenance import numeric_platform; print(json.dumps(numeric_platform(), indent=2))" > results/smoke-reference/platform.json
 
 ## The default scale: what the committed results come from (amendment 3's study v3, computed; versions 1 and
-## 2, read from their committed results). At most 90 minutes on 2 cores (about 65 minutes of cells).
+## 2, read from their committed results). At most 90 minutes on 2 cores: sized for 65 minutes of cells, measured
+## 56 minutes in all on a fresh clone (49 of cells).
 reproduce: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete
 
