@@ -5,6 +5,7 @@ configurations otherwise unchanged."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -45,11 +46,9 @@ def test_the_resize_rule_gives_the_locked_design_from_the_committed_manifests(tm
 
 def test_the_rule_scales_only_the_cells_it_does_not_keep_and_fits_the_budget(tmp_path):
     """Our own logic on made-up manifests: the median per-item time, the kept cells, the floor."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import resize_design
-    finally:
-        sys.path.pop(0)
+    spec = importlib.util.spec_from_file_location("resize_design", SCRIPT)
+    resize_design = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(resize_design)
     cells = tmp_path / "cells"
     for cell, shards in {"qa-a": [(10, 100.0), (10, 300.0), (10, 120.0)], "oracle-a": [(5, 250.0)]}.items():
         for k, (n, seconds) in enumerate(shards):

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from kvcert.atomic import write_text_atomic
+
 
 def measured(cells: Path) -> dict[str, dict]:
     """{cell: {"items": n, "seconds": total, "shards": k, "per_item_median": s}} from the shards' manifests."""
@@ -75,10 +77,7 @@ def main() -> None:
            **result}
     text = yaml.safe_dump(doc, sort_keys=False, width=110)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(args.out)
+        write_text_atomic(text, args.out)
     print(text, end="")
 
 
