@@ -58,8 +58,8 @@ reproduce: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete
 
 ## Amendment 2's powered design: 2526 question-aware items, enough by version 1's variances for every C1 and
-## C2 interval to span at most 4 points (amendment 2 estimated 3.5 hours on 2 cores;
-## its shards measure 12 s per SmolLM2 and 23 s per Gemma 3 question-aware item, two at a time: about 6 hours).
+## C2 interval to span at most 4 points (about 6 hours on 2 cores as measured,
+## README's version 2 section; amendment 2 estimated 3.5).
 reproduce-full: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v2-full
 
