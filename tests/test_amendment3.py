@@ -67,6 +67,7 @@ def test_the_rule_scales_only_the_cells_it_does_not_keep_and_fits_the_budget(tmp
 def test_the_default_scale_is_amendment_2s_design_resized_on_fresh_items():
     v2, default = _scale("v2")["studies"]["v2"], _scale("default")["studies"]
     assert default["v1"] == {"prereg": 1, "archived": True} and default["v2"] == {"prereg": 2, "archived": True}
+    assert default["v2-full"] == {"prereg": 2, "archived": True}  # make reproduce-full's record, tabulated beside
     v3 = default["v3"]
     assert v3["prereg"] == 3 and sorted(v3["cells"]) == sorted(v2["cells"])
     for name, cell in v3["cells"].items():

@@ -1,0 +1,79 @@
+"""The committed records (results/<study>/) are bound to the design and the code that made them: every shard
+the study's scale file names has its committed config and manifest, the manifest hashes that config, one
+clean library made the whole study, the shards' items add up to the design, and each claim counts them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import yaml
+
+from kvcert.analysis import prereg
+
+ROOT = prereg.find_root(__file__)
+RECORDS = [("v1", "v1"), ("v2", "v2"), ("v2-full", "v2-full"), ("default", "v3")]
+
+
+def _cells(scale: str, study: str) -> dict:
+    doc = yaml.safe_load((ROOT / "workflow" / "scales" / f"{scale}.yaml").read_text())
+    return doc["studies"][study]["cells"]
+
+
+def _n_items(cell: dict) -> int:
+    return next(int(o.split("=", 1)[1]) for o in cell["overrides"] if o.startswith("n_items="))
+
+
+def _manifests(study: str, name: str, cell: dict) -> list[dict]:
+    out = []
+    for k in range(cell["shards"]):
+        shard = ROOT / "results" / study / "cells" / name / f"shard-{k}"
+        assert (shard / "config.yaml").is_file(), f"{shard}/config.yaml is not committed"
+        manifest = json.loads((shard / "manifest.json").read_text())
+        digest = hashlib.sha256((shard / "config.yaml").read_bytes()).hexdigest()
+        assert manifest["outputs_sha256"]["config.yaml"] == digest, f"{shard}: the manifest hashes another config"
+        out.append(manifest)
+    return out
+
+
+@pytest.mark.parametrize("scale, study", RECORDS)
+def test_a_record_is_its_design_made_by_one_clean_library(scale, study):
+    fingerprints, question_aware, streaming = set(), 0, 0
+    for name, cell in _cells(scale, study).items():
+        manifests = _manifests(study, name, cell)
+        assert sum(m["n_shard_items"] for m in manifests) == _n_items(cell), name
+        assert not any(m["source"]["dirty"] for m in manifests), name
+        fingerprints |= {m["code_fingerprint"] for m in manifests}
+        n = _n_items(cell)
+        if "setting=streaming" in cell["overrides"]:
+            streaming += n
+        else:
+            question_aware += n
+    assert len(fingerprints) == 1, f"study {study} was made by {len(fingerprints)} libraries"
+    counted = {c: json.loads((ROOT / "results" / study / "claims" / f"{c}.json").read_text())["n"]
+               for c in ("c1", "c2", "c7")}
+    assert counted == {"c1": question_aware, "c2": question_aware, "c7": streaming}
+
+
+def test_the_powered_record_was_made_by_version_3s_library():
+    """make reproduce-full ran on the library that made study v3, so the two studies differ only by design."""
+    def fingerprint(scale, study):
+        name, cell = next(iter(_cells(scale, study).items()))
+        return _manifests(study, name, cell)[0]["code_fingerprint"]
+
+    assert fingerprint("v2-full", "v2-full") == fingerprint("default", "v3")
+
+
+@pytest.mark.parametrize("cell", ["oracle-smollm2", "oracle-gemma3", "streaming-smollm2", "streaming-gemma3"])
+def test_the_powered_record_repeats_version_2s_oracle_and_streaming_cells_byte_for_byte(cell):
+    """These cells have the same items, seeds and shards in both designs, and were made by two libraries
+    (v2's and v3's fingerprints): their output tables must be identical, or a library change moved a number.
+    (Their config.yaml differ only by the output folder and two keys added since, at their defaults.)"""
+    v2, full = _cells("v2", "v2")[cell], _cells("v2-full", "v2-full")[cell]
+    assert v2 == full
+    old, new = _manifests("v2", cell, v2), _manifests("v2-full", cell, full)
+    for a, b in zip(old, new):
+        assert a["code_fingerprint"] != b["code_fingerprint"]
+        for table in ("items.parquet", "steps.parquet"):
+            assert a["outputs_sha256"][table] == b["outputs_sha256"][table], (cell, table)
