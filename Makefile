@@ -58,7 +58,7 @@ reproduce: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete
 
 ## Amendment 2's powered design: 2526 question-aware items, enough by version 1's variances for every C1 and
-## C2 interval to span at most 4 points (about 6 hours on 2 cores as measured,
+## C2 interval to span at most 4 points (about 5 hours on 2 cores as measured,
 ## README's version 2 section; amendment 2 estimated 3.5).
 reproduce-full: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v2-full
@@ -78,7 +78,7 @@ sensitivity: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=sensitivity
 
 ## Recompute every committed study into results/verify and compare its tables with the committed ones byte
-## for byte (a changed number is a reviewed diff, never a surprise). About 10 hours on 2 cores, 6 of them the
+## for byte (a changed number is a reviewed diff, never a surprise). About 9 hours on 2 cores, 5 of them the
 ## powered study v2-full.
 VERIFY_OUT ?= results/verify
 verify-results: install
