@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvcert.analysis import amendment2, claims, prereg, stats, synthetic
+from kvcert.scales import load_scale, override_value, studies
 
 ROOT = prereg.find_root(__file__)
 
@@ -75,13 +76,10 @@ def test_weighted_auc_equals_the_mann_whitney_auc_of_the_expanded_sample():
 
 
 def _scale_counts(scale: str, study: str) -> dict:
-    import yaml
-
-    doc = yaml.safe_load((ROOT / "workflow" / "scales" / f"{scale}.yaml").read_text())
     counts: dict = {}
-    for name, cell in doc["studies"][study]["cells"].items():
+    for name, cell in studies(load_scale(scale, ROOT / "workflow" / "scales"))[study]["cells"].items():
         kind, model = name.split("-", 1)
-        n = next(int(o.split("=", 1)[1]) for o in cell["overrides"] if o.startswith("n_items="))
+        n = int(override_value(cell["overrides"], "n_items"))
         counts.setdefault(model, {})[{"qa": "question_aware", "oracle": "oracle", "streaming": "streaming"}[kind]] = n
     return counts
 

@@ -8,21 +8,21 @@ import hashlib
 import json
 
 import pytest
-import yaml
 
 from kvcert.analysis import prereg
+from kvcert.scales import load_scale, override_value, studies
 
 ROOT = prereg.find_root(__file__)
 RECORDS = [("v1", "v1"), ("v2", "v2"), ("v2-full", "v2-full"), ("default", "v3")]
 
 
 def _cells(scale: str, study: str) -> dict:
-    doc = yaml.safe_load((ROOT / "workflow" / "scales" / f"{scale}.yaml").read_text())
-    return doc["studies"][study]["cells"]
+    """The study's cells as the workflow reads them."""
+    return studies(load_scale(scale, ROOT / "workflow" / "scales"))[study]["cells"]
 
 
 def _n_items(cell: dict) -> int:
-    return next(int(o.split("=", 1)[1]) for o in cell["overrides"] if o.startswith("n_items="))
+    return int(override_value(cell["overrides"], "n_items"))
 
 
 def _manifests(study: str, name: str, cell: dict) -> list[dict]:
@@ -45,7 +45,7 @@ def test_a_record_is_its_design_made_by_one_clean_library(scale, study):
         assert sum(m["n_shard_items"] for m in manifests) == n, name
         assert not any(m["source"]["dirty"] for m in manifests), name
         fingerprints |= {m["code_fingerprint"] for m in manifests}
-        if "setting=streaming" in cell["overrides"]:
+        if override_value(cell["overrides"], "setting") == "streaming":
             streaming += n
         else:
             question_aware += n
