@@ -40,3 +40,19 @@ rule aggregate:
         analysis=ANALYSIS_FINGERPRINT,
     shell:
         "python -m kvcert.analysis.aggregate {input.claims} --accuracy {input.accuracy} --out-dir {OUT} > {log} 2>&1"
+
+
+# README's results grid: every study's seven verdicts beside the paper's, from the claims table. For the
+# committed results it also replaces the grid between README.md's results-grid markers, so the grid is never
+# typed by hand (tests/test_docs.py compares the two). Not part of `all`, whose jobs kvcert-plan lists
+# (kvcert.plan.plan_jobs): snakemake --cores 1 results/claims_grid.md
+rule readme_grid:
+    input:
+        claims=f"{OUT}/claims.csv",
+    output:
+        grid=f"{OUT}/claims_grid.md",
+    params:
+        readme=str(REPO / "README.md") if Path(OUT).resolve() == (REPO / "results").resolve() else "",
+    localrule: True
+    script:
+        "../scripts/readme_grid.py"
