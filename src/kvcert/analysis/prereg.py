@@ -71,7 +71,21 @@ VERSIONS[3] = Version(3, AMENDMENT_3, f"{PREREG_DIR}/amendment-3.lock",
                       (*VERSIONS[2].files, AMENDMENT_3, f"{PREREG_DIR}/amendment-3/design.yaml",
                        f"{PREREG_DIR}/amendment-3/power-90-minutes.yaml"),
                       f"{PREREG_DIR}/PREREGISTRATION-AMENDMENT-3.md")
-LATEST = max(VERSIONS)
+# Amendment 4 chooses a new population by a pilot and selects one named analysis variant (C5's gate within each
+# model): it freezes everything version 3 froze, its document, the pilot's rows and chosen population, the
+# measured cell times, the power analysis, the design, and the module of named variants.
+AMENDMENT_4 = f"{PREREG_DIR}/amendment-4.yaml"
+VERSIONS[4] = Version(4, AMENDMENT_4, f"{PREREG_DIR}/amendment-4.lock",
+                      (*VERSIONS[3].files, AMENDMENT_4,
+                       *(f"{PREREG_DIR}/amendment-4/{name}" for name in
+                         ("pilot.csv", "population.yaml", "timing.yaml", "power.yaml", "design.yaml")),
+                       "src/kvcert/analysis/variants.py"),
+                      f"{PREREG_DIR}/PREREGISTRATION-AMENDMENT-4.md")
+# Versions whose document is still a draft (its ``status`` begins with DRAFT_MARK): they have no lock yet, and
+# `kvcert-prereg verify` checks the versions before them. A version leaves this set when it is locked.
+DRAFT_MARK = "DRAFT"
+DRAFTS = frozenset({4})
+LATEST = max(n for n in VERSIONS if n not in DRAFTS)
 CLAIM_KEYS = ("id", "title", "hypothesis", "population", "metric", "test", "decision", "paper_verdict", "paper_number")
 PAPER_VERDICTS = ("supported", "not supported")
 
@@ -132,7 +146,10 @@ def write_lock(root: str | Path, force: bool = False, number: int = 1) -> Path:
     spec = version(number)
     load_claims(root)  # never lock a file that does not parse
     if number > 1:
-        load_amendment(root, number)
+        doc = load_amendment(root, number)
+        if is_draft(doc):
+            raise PreregistrationError(f"{version(number).document} is a draft (status: {str(doc['status'])[:40]}...): "
+                                       "apply its pilot and set its status before locking it")
         verify_lock(root, number - 1)
     lock = root / spec.lock
     if lock.exists() and not force:
@@ -228,10 +245,17 @@ def load_amendment(root: str | Path, number: int) -> dict:
     return doc
 
 
+def is_draft(doc: dict) -> bool:
+    """Whether an amendment document declares itself a draft (not yet to be locked)."""
+    return str(doc.get("status") or "").lstrip().startswith(DRAFT_MARK)
+
+
 def render_amendment(doc: dict, number: int) -> str:
     """The Markdown rendering of an amendment document (deterministic)."""
     out = [f"# Pre-registration, amendment {number} ({doc['date']})", "",
            f"<!-- Generated from {version(number).document} by `kvcert-prereg render`; do not edit. -->", ""]
+    if is_draft(doc):
+        out += [f"**Status: {' '.join(str(doc['status']).split())}**", ""]
 
     def block(value, depth: int) -> list[str]:
         pad = "  " * depth
@@ -248,7 +272,7 @@ def render_amendment(doc: dict, number: int) -> str:
         return [f"{pad}{_fmt(value)}"]
 
     # The required sections in their order, then any other top-level key in the document's order.
-    extra = [key for key in doc if key not in AMENDMENT_KEYS]
+    extra = [key for key in doc if key not in AMENDMENT_KEYS and not (key == "status" and is_draft(doc))]
     for key in (*AMENDMENT_KEYS[2:], *extra):
         out += [f"## {key.replace('_', ' ').capitalize()}", "", *block(doc[key], 0), ""]
     return "\n".join(out)
@@ -329,11 +353,15 @@ def _cmd_lock(args) -> str:
 
 
 def _cmd_verify(args) -> str:
-    upto = args.version or max(n for n in VERSIONS if n == 1 or (Path(args.root) / VERSIONS[n].document).is_file())
+    present = [n for n in VERSIONS if n == 1 or (Path(args.root) / VERSIONS[n].document).is_file()]
+    drafts = [n for n in present if n > 1 and not (Path(args.root) / VERSIONS[n].lock).is_file()
+              and is_draft(load_amendment(args.root, n))]
+    upto = args.version or max(n for n in present if n not in drafts)
     verify_lock(args.root, upto)
     locks = [read_lock(args.root, n) for n in range(1, upto + 1)]
-    return "; ".join(f"version {n} lock OK ({len(lock['files'])} files, locked {lock.get('locked_at_utc', '?')})"
-                     for n, lock in enumerate(locks, start=1))
+    return "; ".join([f"version {n} lock OK ({len(lock['files'])} files, locked {lock.get('locked_at_utc', '?')})"
+                      for n, lock in enumerate(locks, start=1)]
+                     + [f"version {n} is a draft (not locked)" for n in drafts if n > upto])
 
 
 def _renderings(root: Path) -> dict[str, str]:
