@@ -30,6 +30,7 @@ from kvcert.calibration import (
     minimum_prompts,
     model_identity,
     prepare_calibration,
+    spearman,
     wilson_interval,
 )
 from kvcert.designs import DesignOptions
@@ -388,6 +389,61 @@ def test_prepare_checks_everything_before_anything_is_computed(tmp_path):
         prepare_calibration(path, setting="question_aware", configurations=[("snapkv", "poisson", 0.5)],
                             options=DesignOptions(pi_min=0.01))
     assert prepare_calibration("design", setting="streaming", configurations=[("uniform", "poisson", 0.3)]) == "design"
+
+
+# --- Spearman's ρ -------------------------------------------------------------------------------------------
+
+
+def _average_ranks(v: np.ndarray) -> np.ndarray:
+    """Ranks 1..N by their definition, tied values sharing the mean of the ranks they span:
+    (number smaller) + (number equal + 1)/2."""
+    return np.array([(v < t).sum() + ((v == t).sum() + 1) / 2 for t in v])
+
+
+def test_spearman_is_the_correlation_of_average_ranks_as_scipy_and_the_preregistered_helper_compute_it():
+    from scipy.stats import spearmanr
+
+    from kvcert.analysis.stats import spearman as preregistered
+
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, 6, 200).astype(float)  # six values among 200: every value tied many times
+    y = x + rng.integers(0, 4, 200)
+    by_definition = np.corrcoef(_average_ranks(x), _average_ranks(y))[0, 1]
+    ordinal = np.corrcoef(np.argsort(np.argsort(x, kind="stable")), np.argsort(np.argsort(y, kind="stable")))[0, 1]
+    assert abs(ordinal - by_definition) > 1e-4  # ties broken by position would give another number
+    rho = spearman(x, y)
+    assert rho == pytest.approx(by_definition, abs=1e-12)
+    assert rho == spearmanr(x, y).statistic  # bit for bit: tables written with SciPy's keep their digits
+    assert rho == pytest.approx(float(preregistered(x, y)), abs=1e-12)  # C3's helper, at unit weights
+    assert spearman(x, -y) == pytest.approx(-rho, abs=1e-12)
+
+
+def test_spearman_says_when_nothing_can_be_ranked():
+    ramp = np.arange(5.0)
+    assert math.isnan(spearman(np.full(5, 0.3), ramp)) and math.isnan(spearman(ramp, np.ones(5)))
+    assert math.isnan(spearman(ramp[:2], ramp[:2]))  # two pairs are ranked perfectly, whatever they are
+    assert spearman(np.ones(5), ramp, degenerate=-1.0) == -1.0
+    assert spearman(ramp, ramp, degenerate=-1.0) == pytest.approx(1.0)
+    assert math.isnan(spearman(np.array([0.0, 1.0, np.nan, 3.0, 4.0]), ramp))
+
+
+def test_a_base_that_is_constant_in_a_layer_ranks_nothing_and_is_never_picked():
+    """‖ô‖ alone, constant in layer 2 while the error there is unrelated to ε̂, would give the narrowest
+    certificate; it ranks nothing (ρ counts as −1 in the fit, NaN in the table), so the fit keeps ε̂'s shape."""
+    steps = _steps(seed=6, budgets=(0.25,))
+    flat = steps["layer"] == 2
+    steps.loc[flat, "out_norm"] = 1.5
+    steps.loc[flat, "true_err"] = np.random.default_rng(6).uniform(0.0, 0.05, int(flat.sum()))
+    cal = fit_calibration(steps, model=MODEL, design=KNOBS, never_below_paper=False)
+    stratum = cal.strata[("question_aware", "snapkv", "poisson", "0.25")]
+    assert stratum["cert_weights"][2] == 1.0
+    rows = steps[flat]
+    q_norm = conformal_quantile(rows["true_err"].to_numpy() / 1.5, cal.level)
+    picked = stratum["factors"][2] * (rows["cert"] + stratum["norm_weights"][2] * 1.5)
+    assert np.median(q_norm * 1.5) < np.median(picked)  # it would have been the narrowest
+    steps = steps.assign(model="m", cert=np.where(flat, 0.01, steps["cert"]))
+    table = by_layer(steps).set_index("layer")["spearman"]
+    assert math.isnan(table[2]) and not math.isnan(table[0])
 
 
 # --- the per-layer table ------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ per-layer table of coverage, width and rank correlation that the workflow report
 
 Modules, one job each: ``fingerprint`` (the model's identity), ``knobs`` (the design knobs a file is bound
 to), ``corrections`` (the design factor, the conformal quantile and the rows they act on), ``fileformat``
-(the JSON file and its checks), ``fit``, ``apply`` and ``report`` (the per-layer table). Everything is
-importable from ``kvcert.calibration`` itself.
+(the JSON file and its checks), ``fit``, ``apply``, ``report`` (the per-layer table) and ``ranks`` (Spearman's
+ρ, the project's one helper outside the frozen analysis). Everything is importable from ``kvcert.calibration``.
 """
 
 from .apply import apply_calibration, calibrated_certificate, calibration_summary, prepare_calibration
@@ -30,6 +30,7 @@ from .fileformat import BASES, DESIGN, FORMAT, METHODS, UNITS, VERSION, Calibrat
 from .fingerprint import model_identity
 from .fit import NORM_WEIGHTS, RANK_TOLERANCE, STRATUM_KEYS, fit_calibration
 from .knobs import KNOBS, design_knobs, knob_label
+from .ranks import spearman
 from .report import BY_LAYER_KEYS, Z95, by_layer, wilson_interval
 
 __all__ = [
@@ -38,5 +39,5 @@ __all__ = [
     "apply_calibration", "base_certificate", "by_layer", "calibrated_certificate", "calibration_summary",
     "conformal_quantile", "default_level", "design_factor", "design_knobs", "fit_calibration", "knob_label",
     "load_calibration", "minimum_prompts", "model_identity", "needed_prompts", "output_norm", "prepare_calibration",
-    "wilson_interval",
+    "spearman", "wilson_interval",
 ]

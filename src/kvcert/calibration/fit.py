@@ -11,6 +11,7 @@ import pandas as pd
 from ..errors import CalibrationError
 from .corrections import base_certificate, conformal_quantile, default_level, needed_prompts, output_norm
 from .fileformat import BASES, UNITS, Calibration, budget_key
+from .ranks import spearman
 
 # τ of the base certificate ε̂ + τ‖ô‖ that a fit tries per layer: 0 keeps ε̂'s shape (where it ranks the error
 # well); larger τ lean on ‖ô‖ where ε̂ is near 0 while the error is not (slots the retained set cannot see).
@@ -75,7 +76,7 @@ def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, lev
             best, floor = None, None
             for weights in candidates:  # the first is ε̂ itself: its rank correlation sets the floor
                 b = weights[0] * cert[at] + weights[1] * norm[at]
-                rank = _rank_correlation(b, err[at])
+                rank = spearman(b, err[at], degenerate=-1.0)
                 floor = rank - RANK_TOLERANCE if floor is None else floor
                 if rank < floor:
                     continue
@@ -94,15 +95,6 @@ def fit_calibration(steps: pd.DataFrame, *, model: Mapping, design: Mapping, lev
             **fitted, "prompts": int(len(np.unique(items)))}
     return Calibration(method="conformal", level=level, base=base, unit=unit, model=dict(model), design=dict(design),
                        strata=strata, fitted_on=dict(fitted_on or {}), never_below_paper=bool(never_below_paper))
-
-
-def _rank_correlation(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman's ρ, or −1 where either side is constant (nothing ranked)."""
-    from scipy.stats import spearmanr
-
-    if x.size < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return -1.0
-    return float(spearmanr(x, y).statistic)
 
 
 def _ratio(err: np.ndarray, cert: np.ndarray) -> np.ndarray:

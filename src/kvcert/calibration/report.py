@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from .corrections import ROUNDING, output_norm
+from .ranks import spearman
 
 Z95 = 1.959963984540054
 
@@ -37,8 +38,6 @@ def by_layer(steps: pd.DataFrame, keys: list[str] | None = None) -> pd.DataFrame
     where nothing in the layer's view was evicted); and, where the rows carry ``cert_calibrated``, the
     same for the calibrated certificate.
     """
-    from scipy.stats import spearmanr
-
     keys = [k for k in (keys or BY_LAYER_KEYS) if k in steps.columns]
     ok = np.isfinite(steps["cert"].to_numpy(float)) & np.isfinite(steps["true_err"].to_numpy(float))
     rows = steps[ok]
@@ -56,7 +55,7 @@ def by_layer(steps: pd.DataFrame, keys: list[str] | None = None) -> pd.DataFrame
                       uncovered_at_rounding=int(rounding.sum()),
                       wald_coverage=float(np.nanmean(sub["wald_coverage"])) if sub["wald_coverage"].notna().any() else np.nan,
                       median_rel_width=float(np.nanmedian(sub["rel_cert"])),
-                      spearman=_spearman(spearmanr, c, e))
+                      spearman=spearman(c, e))
         if calibrated:
             cal = sub["cert_calibrated"].to_numpy(float)
             good = np.isfinite(cal)
@@ -67,12 +66,6 @@ def by_layer(steps: pd.DataFrame, keys: list[str] | None = None) -> pd.DataFrame
             record.update(coverage_calibrated=hit / good.sum() if good.any() else np.nan,
                           coverage_calibrated_low=low, coverage_calibrated_high=high,
                           median_rel_width_calibrated=float(np.median(rel_cal[good])) if good.any() else np.nan,
-                          spearman_calibrated=_spearman(spearmanr, cal[good], e[good]))
+                          spearman_calibrated=spearman(cal[good], e[good]))
         out.append(record)
     return pd.DataFrame(out)
-
-
-def _spearman(spearmanr, x: np.ndarray, y: np.ndarray) -> float:
-    if len(x) < 3 or np.all(x == x[0]) or np.all(y == y[0]):
-        return float("nan")
-    return float(spearmanr(x, y).statistic)
