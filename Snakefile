@@ -3,8 +3,10 @@
 #   snakemake --cores 2 --config scale=smoke              (all seven claims in minutes)
 #   snakemake --workflow-profile workflow/profiles/slurm  (SLURM cluster)
 # Stages: fetch model -> cells -> claims (per study and pre-registration version) -> tables -> notebooks.
-# Every figure and table comes from exactly one rule; the rules run console scripts of the kvcert package
-# and hold no attention math.
+# Every figure and table of a run comes from exactly one rule and holds no attention math. A rule calls a
+# console script of the kvcert package (pyproject.toml), or, where it hands a script Snakemake's job
+# object (inputs by name, nested params, notebooks), a file of workflow/scripts through `script:`;
+# every figure is written by kvcert.analysis.figures.save_figure.
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"

@@ -146,10 +146,9 @@ def markdown(summary: pd.DataFrame) -> str:
 def tradeoff_figure(summary: pd.DataFrame, path: Path) -> None:
     """Worst-layer coverage against median width (× ε̂) for every certificate, one panel per model and π;
     conformal levels joined into a curve."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from kvcert.analysis.figures import save_figure  # selects the headless backend
 
     panels = list(summary.groupby(["model", "policy"], sort=True).groups)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
@@ -174,13 +173,7 @@ def tradeoff_figure(summary: pd.DataFrame, path: Path) -> None:
     fig.suptitle("Held-out worst-layer coverage vs width: conformal levels 0.9-0.99 (lines), the default "
                  "(0.99, never below ε̂: *), ε̂ (x), design-based (^)", fontsize=9)
     fig.tight_layout()
-    try:
-        for target, ext, meta in ((path, "png", {"Software": None}),
-                                  (path.with_suffix(".pdf"), "pdf", {"CreationDate": None, "Producer": None, "Creator": None})):
-            with atomic_output(target) as tmp:
-                fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight", metadata=meta)
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
 
 
 def combine(out_dir: Path) -> None:

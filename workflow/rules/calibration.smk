@@ -25,9 +25,8 @@ rule calibration_by_layer:
     params:
         code=CODE_FINGERPRINT,  # the table is computed by kvcert.calibration: rerun when the library changes
         cells=lambda wc: cell_dirs(wc.study),
-        script=f"{REPO}/workflow/scripts/calibration_by_layer.py",
     resources:
         mem_mb=resource("claim", "mem_mb", 4000),
         runtime=resource("claim", "runtime", 20),
-    shell:
-        "python {params.script} --cells {params.cells} --table {output.table} --figure {output.png} > {log} 2>&1"
+    script:
+        "../scripts/calibration_by_layer.py"

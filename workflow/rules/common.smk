@@ -126,16 +126,7 @@ def resource(rule_name, key, default):
 
 
 def cell_data_inputs(cell):
-    return [LONGBENCH_COPY] if needs_longbench_copy(S, cell) else []
-
-
-def cell_run_overrides(cell):
-    """The cell's kvcert-run overrides, pointed at the local LongBench copy when it reads the hub's."""
-    extra = [f"data.path={LONGBENCH_COPY}"] if needs_longbench_copy(S, cell) else []
-    return cell_overrides(S, cell) + extra
-
-
-def cell_data_inputs(cell):
+    """The LongBench copy a cell reads (rule fetch_longbench), or nothing."""
     return [LONGBENCH_COPY] if needs_longbench_copy(S, cell) else []
 
 

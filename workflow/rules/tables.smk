@@ -20,7 +20,7 @@ rule accuracy:
         analysis=ANALYSIS_FINGERPRINT,
         cells=lambda wc: cell_dirs(wc.study),
     shell:
-        "python -m kvcert.analysis.accuracy {params.cells} --out {output} > {log} 2>&1"
+        "kvcert-accuracy {params.cells} --out {output} > {log} 2>&1"
 
 
 rule aggregate:
@@ -39,7 +39,7 @@ rule aggregate:
     params:
         analysis=ANALYSIS_FINGERPRINT,
     shell:
-        "python -m kvcert.analysis.aggregate {input.claims} --accuracy {input.accuracy} --out-dir {OUT} > {log} 2>&1"
+        "kvcert-aggregate {input.claims} --accuracy {input.accuracy} --out-dir {OUT} > {log} 2>&1"
 
 
 # README's results grid: every study's seven verdicts beside the paper's, from the claims table. For the

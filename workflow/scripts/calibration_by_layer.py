@@ -6,13 +6,15 @@ with a 95% Wilson interval, Wald coverage, median relative width and Spearman wi
 (``kvcert.calibration.by_layer``; the calibrated certificate's columns too where the cells carry it); and
 the figure of coverage per layer, one panel per setting and budget, one line per model and policy.
 
+The rule runs it through Snakemake's ``script:`` directive (the cell list is the rule's params); by hand:
+
     python workflow/scripts/calibration_by_layer.py --cells DIR [DIR ...] --table by_layer.csv --figure fig.png
 """
 
-from __future__ import annotations
-
+# No `from __future__` import: Snakemake's `script:` puts its own preamble first.
 import argparse
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import matplotlib
@@ -22,11 +24,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from kvcert.analysis.figures import save_figure  # noqa: E402
 from kvcert.atomic import atomic_output  # noqa: E402
 from kvcert.calibration import BY_LAYER_KEYS, by_layer  # noqa: E402
 
-# PDF and PNG writers stamp dates and versions unless told not to: the figure must be byte-reproducible.
-METADATA = {"pdf": {"CreationDate": None, "Producer": None, "Creator": None}, "png": {"Software": None}}
 COLUMNS = BY_LAYER_KEYS + ["n_rows", "n_items", "coverage", "coverage_low", "coverage_high", "uncovered_at_rounding",
                            "wald_coverage", "median_rel_width", "spearman"]
 
@@ -93,6 +94,23 @@ def figure(table: pd.DataFrame, delta: float) -> plt.Figure:
     return fig
 
 
+def write(cells: list[str], table_path: str, png: str, pdf: str | None = None, delta: float = 0.05) -> int:
+    """Write the table and the figure (PNG and PDF) of ``cells``; 1 with one error line when a cell lacks a table."""
+    for cell in cells:
+        for name in ("steps.parquet", "items.parquet"):
+            if not (Path(cell) / name).is_file():
+                print(f"calibration_by_layer: error: {Path(cell) / name}: missing", file=sys.stderr)
+                return 1
+    table = by_layer(read_cells(cells))
+    if table.empty:
+        table = pd.DataFrame(columns=COLUMNS)
+    with atomic_output(table_path) as tmp:
+        table.to_csv(tmp, index=False, float_format="%.6g")
+    save_figure(figure(table, delta), png, pdf)
+    print(f"calibration_by_layer: {len(table)} rows -> {table_path}, {png}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cells", nargs="+", required=True)
@@ -100,27 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--figure", required=True, help="PNG path; the PDF is written beside it")
     parser.add_argument("--delta", type=float, default=0.05)
     args = parser.parse_args(argv)
-    for cell in args.cells:
-        for name in ("steps.parquet", "items.parquet"):
-            if not (Path(cell) / name).is_file():
-                print(f"calibration_by_layer: error: {Path(cell) / name}: missing", file=sys.stderr)
-                return 1
-    table = by_layer(read_cells(args.cells))
-    if table.empty:
-        table = pd.DataFrame(columns=COLUMNS)
-    with atomic_output(args.table) as tmp:
-        table.to_csv(tmp, index=False, float_format="%.6g")
-    fig = figure(table, args.delta)
-    try:
-        png = Path(args.figure)
-        for path, ext in ((png, "png"), (png.with_suffix(".pdf"), "pdf")):
-            with atomic_output(path) as tmp:
-                fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight", metadata=METADATA[ext])
-    finally:
-        plt.close(fig)
-    print(f"calibration_by_layer: {len(table)} rows -> {args.table}, {args.figure}")
-    return 0
+    return write(args.cells, args.table, args.figure, delta=args.delta)
 
 
 if __name__ == "__main__":
+    if "snakemake" in globals():  # rule calibration_by_layer (script directive): its messages go to the rule's log
+        sm = snakemake  # noqa: F821
+        with open(sm.log[0], "w") as log, redirect_stdout(log), redirect_stderr(log):
+            status = write(list(sm.params.cells), sm.output.table, sm.output.png, sm.output.pdf)
+        raise SystemExit(status)
     raise SystemExit(main())

@@ -19,8 +19,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from kvcert.analysis.figures import REPRODUCIBLE  # noqa: E402
-from kvcert.atomic import atomic_output, write_text_atomic  # noqa: E402
+from kvcert.analysis.figures import save_figure  # noqa: E402
+from kvcert.atomic import write_text_atomic  # noqa: E402
 
 DELTA = 0.05
 N_BOOT = 1000
@@ -94,10 +94,7 @@ def figure(table: pd.DataFrame, knobs: dict, png: Path, pdf: Path) -> None:
         ax.legend(fontsize=6)
     fig.suptitle("Exploratory: sensitivity to one knob at a time (SnapKV score)")
     fig.tight_layout()
-    for target, ext in ((png, "png"), (pdf, "pdf")):
-        with atomic_output(target) as tmp:
-            fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight", metadata=REPRODUCIBLE[ext])
-    plt.close(fig)
+    save_figure(fig, png, pdf)
 
 
 def main(cells: dict, knobs: dict, baseline: str, table_path: Path, png: Path, pdf: Path) -> None:

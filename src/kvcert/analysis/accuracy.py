@@ -1,6 +1,6 @@
 """Accuracy per model, task, setting and configuration of a study's cells (``<outdir>/<study>/accuracy.csv``).
 
-    python -m kvcert.analysis.accuracy results/v2/cells/qa/shard-0 ... --out results/v2/accuracy.csv
+    kvcert-accuracy results/v2/cells/qa/shard-0 ... --out results/v2/accuracy.csv
 
 Accuracy is in points (0-100): per item, the mean correctness over Poisson seeds; then the mean over items,
 as the pre-registration's convention for accuracy (claims.yaml ``seed_aggregation``). ``n`` is the number of
@@ -35,7 +35,7 @@ def accuracy_table(items: pd.DataFrame) -> pd.DataFrame:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcert.analysis.accuracy", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kvcert-accuracy", description=__doc__.splitlines()[0])
     parser.add_argument("cells", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         table = accuracy_table(data.load_cells(args.cells, "items"))
         write_text_atomic(table.to_csv(index=False), args.out)
     except AnalysisError as exc:
-        print(f"kvcert accuracy: error: {exc}", file=sys.stderr)
+        print(f"kvcert-accuracy: error: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {args.out}")
     return 0

@@ -1,7 +1,9 @@
 """One figure per claim, drawn from the numbers the claim analysis computed (``figure_data``).
 
-Registry ``FIGURES`` maps a claim id to its drawing function; ``save`` writes PNG and PDF
-atomically (temporary file, then rename), so an interrupted run leaves no half-written figure.
+Registry ``FIGURES`` maps a claim id to its drawing function; ``save`` writes a claim's figure through
+``save_figure``, the project's one way to write a figure: PNG and PDF, atomically (temporary file, then
+rename: an interrupted run leaves no half-written figure) and byte-reproducibly. The workflow's other
+figures (per-layer calibration, sensitivity) and the calibration benchmark call it too.
 """
 
 from __future__ import annotations
@@ -117,18 +119,22 @@ FIGURES: dict[str, Callable[[ClaimResult], "plt.Figure"]] = {
 }
 
 
-def save(result: ClaimResult, figure_dir: str | Path) -> list[Path]:
-    """Draw the claim's figure and write ``<figure_dir>/<claim>.png`` and ``.pdf`` atomically."""
-    figure_dir = Path(figure_dir)
-    figure_dir.mkdir(parents=True, exist_ok=True)
-    fig = FIGURES[result.claim](result)
-    written = []
+def save_figure(fig: "plt.Figure", png: str | Path, pdf: str | Path | None = None) -> list[Path]:
+    """Write ``fig`` to ``png`` and to ``pdf`` (default: ``png`` with suffix .pdf), each atomically and
+    byte-reproducibly, then close it (also on error). Returns the two paths written."""
+    png = Path(png)
+    targets = ((png, "png"), (Path(pdf) if pdf is not None else png.with_suffix(".pdf"), "pdf"))
     try:
-        for ext in ("png", "pdf"):
-            target = figure_dir / f"{result.claim}.{ext}"
+        for target, ext in targets:
             with atomic_output(target) as tmp:
                 fig.savefig(tmp, format=ext, dpi=150, bbox_inches="tight", metadata=REPRODUCIBLE[ext])
-            written.append(target)
     finally:
         plt.close(fig)
-    return written
+    return [target for target, _ in targets]
+
+
+def save(result: ClaimResult, figure_dir: str | Path) -> list[Path]:
+    """Draw the claim's figure and write ``<figure_dir>/<claim>.png`` and ``.pdf`` (``save_figure``)."""
+    figure_dir = Path(figure_dir)
+    figure_dir.mkdir(parents=True, exist_ok=True)
+    return save_figure(FIGURES[result.claim](result), figure_dir / f"{result.claim}.png")

@@ -1,0 +1,118 @@
+"""make verify-results' comparison (workflow/scripts/compare_results.py) on two small copies of the tables:
+identical passes either way, a float moved by rounding passes only off the record's platform, a changed
+verdict or accuracy fails both, and only the named studies' rows count."""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("compare_results", ROOT / "workflow" / "scripts" / "compare_results.py")
+compare_results = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare_results)
+
+# Two rows of the committed results/claims.csv's v3 study and one of another study; the C3 Spearman of the
+# issue's AVX512 rerun differed from the record's in the 9th digit, as row "c3" does below.
+CLAIMS = """study,prereg,claim,title,component,estimate,ci_low,ci_high,threshold,verdict,paper_verdict,agrees,n
+v2,2,c1,Question-aware eviction,"accuracy_change[snapkv,topk,0.25]",-64.86,-68.69,-61.02,-2.0,not supported,supported,no,626
+v3,3,c2,Poisson+Hajek costs no accuracy,"poisson_minus_topk[snapkv,0.5]",0.40404040404040403,-1.51,2.3232323232323213,-1.0,inconclusive,supported,n/a,330
+v3,3,c3,The certificate covers,coverage,0.97,0.968,0.973,0.95,supported,supported,yes,46
+"""
+REPRODUCTION = """study,quantity,paper,ours,ci_low,ci_high,note
+v3,"Spearman(certificate, true error)",0.943-0.979,0.9258669225,0.92,0.93,
+"""
+ACCURACY = """study,model,task,setting,policy,design,budget,accuracy,n
+v3,smollm2,niah_single,question_aware,full,full,1.0,51.6667,330
+"""
+
+
+def _write(folder: Path, claims=CLAIMS, reproduction=REPRODUCTION, accuracy=ACCURACY) -> Path:
+    folder.mkdir(parents=True)
+    for name, text in (("claims.csv", claims), ("reproduction.csv", reproduction), ("accuracy.csv", accuracy)):
+        (folder / name).write_text(text)
+    return folder
+
+
+@pytest.fixture
+def committed(tmp_path):
+    return _write(tmp_path / "committed")
+
+
+@pytest.mark.parametrize("byte_for_byte", [True, False])
+def test_identical_tables_pass(committed, tmp_path, byte_for_byte, capsys):
+    fresh = _write(tmp_path / "fresh")
+    assert compare_results.compare(committed, fresh, ["v3"], byte_for_byte)
+    assert capsys.readouterr().out.count("identical" if byte_for_byte else ": equal") == 3
+
+
+def test_rounding_passes_only_off_the_records_platform(committed, tmp_path):
+    # the issue's AVX512 rerun: C2's upper bound in the 16th digit, the Spearman in the 9th
+    fresh = _write(tmp_path / "fresh", CLAIMS.replace("2.3232323232323213", "2.323232323232322"),
+                   REPRODUCTION.replace("0.9258669225", "0.9258669242"))
+    assert not compare_results.compare(committed, fresh, ["v3"], byte_for_byte=True)
+    assert compare_results.compare(committed, fresh, ["v3"], byte_for_byte=False)
+    # a move beyond the tolerance is a difference on every platform
+    beyond = _write(tmp_path / "beyond", reproduction=REPRODUCTION.replace("0.9258669225", "0.9258769225"))
+    assert compare_results.compare_table(committed / "reproduction.csv", beyond / "reproduction.csv", ["v3"], False) \
+        == ["v3 Spearman(certificate, true error): ours 0.9258669225 vs 0.9258769225"]
+
+
+def test_a_changed_verdict_or_accuracy_fails_everywhere(committed, tmp_path):
+    verdict = _write(tmp_path / "verdict", CLAIMS.replace("0.95,supported,supported,yes", "0.95,inconclusive,supported,n/a"))
+    accuracy = _write(tmp_path / "accuracy", accuracy=ACCURACY.replace("51.6667", "51.6668"))
+    for byte_for_byte in (True, False):
+        assert not compare_results.compare(committed, verdict, ["v3"], byte_for_byte)
+        assert not compare_results.compare(committed, accuracy, ["v3"], byte_for_byte)
+    assert compare_results.compare_table(committed / "claims.csv", verdict / "claims.csv", ["v3"], False) == [
+        "v3 c3: verdict 'supported' vs 'inconclusive'", "v3 c3: agrees 'yes' vs 'n/a'"]
+
+
+def test_only_the_named_studies_count(committed, tmp_path):
+    other = _write(tmp_path / "other", CLAIMS.replace("not supported,supported,no,626", "supported,supported,yes,626"))
+    assert compare_results.compare(committed, other, ["v3"], byte_for_byte=True)
+    for byte_for_byte in (True, False):
+        assert compare_results.compare_table(committed / "claims.csv", other / "claims.csv", ["v2"], byte_for_byte)
+    missing = _write(tmp_path / "missing", CLAIMS.rsplit("v3,3,c3", 1)[0])  # v3's c3 row lost
+    assert compare_results.compare_table(committed / "claims.csv", missing / "claims.csv", ["v3"], False) == [
+        "2 rows vs 1"]
+    with pytest.raises(compare_results.CompareError, match="no row of study v9"):
+        compare_results.compare_table(committed / "claims.csv", committed / "claims.csv", ["v9"], False)
+
+
+def test_the_records_platform_is_read_from_its_manifests(tmp_path):
+    def manifest(study, cell, cpu):
+        path = tmp_path / study / "cells" / cell / "shard-0" / "manifest.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"cpu_capability": cpu, "packages": {"torch": "2.13.0+cpu", "transformers": "5.24.0"}}))
+
+    manifest("v3", "qa", "AVX2")
+    manifest("v3", "streaming", "AVX2")
+    assert compare_results.record_platform(tmp_path, ["v3"]) == {
+        "cpu_capability": "AVX2", "torch": "2.13.0+cpu", "transformers": "5.24.0"}
+    manifest("v2", "qa", "AVX512")
+    assert compare_results.record_platform(tmp_path, ["v2", "v3"]) is None  # mixed: no byte-for-byte claim
+    assert compare_results.record_platform(tmp_path, ["v1"]) is None
+
+
+def test_the_committed_v3_record_compared_with_itself(tmp_path, capsys):
+    """The command make verify-results runs, on a copy of the committed tables (no recomputation)."""
+    fresh = tmp_path / "verify"
+    fresh.mkdir()
+    for name in compare_results.TABLES:
+        shutil.copy(ROOT / "results" / name, fresh / name)
+    assert compare_results.main(["--committed", str(ROOT / "results"), "--fresh", str(fresh), "v3"]) == 0
+    out = capsys.readouterr().out
+    assert "byte for byte" in out or "within rtol" in out  # it says which comparison it made
+    assert out.count("verify-results: ") == 4
+
+
+def test_an_unknown_study_is_one_line(capsys):
+    assert compare_results.main(["--check", "v3", "v9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["verify-results: error: STUDIES=v9: unknown study; known (workflow/scales/default.yaml): "
+                   + ", ".join(compare_results.known_studies())]
+    assert compare_results.main(["--check", "v3"]) == 0
+    assert set(compare_results.known_studies()) == set(__import__("pandas").read_csv(ROOT / "results" / "claims.csv")["study"])

@@ -1,0 +1,181 @@
+"""Compare recomputed studies' tables with the committed ones (``make verify-results``).
+
+    python workflow/scripts/compare_results.py --fresh results/verify v3 [v1 ...]
+    python workflow/scripts/compare_results.py --list        # the studies of workflow/scales/default.yaml
+
+For each of claims.csv, reproduction.csv and accuracy.csv, the rows of the named studies (column ``study``)
+in ``--fresh`` are compared with those in ``--committed`` (default: results) by the smoke test's platform
+rule (tests/test_workflow.py):
+
+- byte for byte (the header and the studies' CSV lines) when this machine's numeric platform
+  (``kvcert.provenance.numeric_platform``: CPU instruction set, torch and transformers versions) equals the
+  record's, which every cell manifest of the studies' committed records states;
+- elsewhere (another instruction set rounds float32 differently): the same rows, every non-float column
+  equal (verdicts, agreement, sample sizes, labels), accuracy.csv equal in every column (the accuracies),
+  and the other floats (estimates, interval ends, coverage, Spearman) equal within ``RTOL``/``ATOL``.
+
+It prints which comparison it made and one line per table; the exit status is 1 when any table differs
+(with the differing values) and 2 on bad input (one line naming the study, file or column).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+TABLES = ("claims.csv", "reproduction.csv", "accuracy.csv")
+# The smoke test's tolerance: float32 rounding moves the 7th-9th significant digit of an estimate.
+RTOL, ATOL = 1e-6, 1e-9
+# Tables whose floats are accuracies, equal on every platform where the same tokens are generated.
+EXACT_TABLES = ("accuracy.csv",)
+# What a cell manifest records of kvcert.provenance.numeric_platform (it does not record the machine).
+PLATFORM_KEYS = ("cpu_capability", "torch", "transformers")
+SCALES = Path(__file__).resolve().parents[1] / "scales"
+
+
+class CompareError(Exception):
+    """Bad input: one line naming the study, file or column."""
+
+
+def known_studies(scales_dir: Path = SCALES) -> list[str]:
+    """The studies of the default scale, in its order."""
+    from kvcert.scales import load_scale, studies
+
+    return list(studies(load_scale("default", scales_dir)))
+
+
+def record_platform(committed: Path, studies: list[str]) -> dict | None:
+    """The numeric platform every cell manifest of the studies' records states, or None when the manifests
+    state none or several."""
+    seen = set()
+    for study in studies:
+        for path in sorted((committed / study / "cells").glob("*/shard-*/manifest.json")):
+            manifest = json.loads(path.read_text())
+            packages = manifest.get("packages", {})
+            seen.add((manifest.get("cpu_capability"), packages.get("torch"), packages.get("transformers")))
+    return dict(zip(PLATFORM_KEYS, seen.pop())) if len(seen) == 1 else None
+
+
+def _study_lines(path: Path, studies: list[str]) -> tuple[str, list[str]]:
+    """The header line and the lines of the studies' rows, as written."""
+    if not path.is_file():
+        raise CompareError(f"{path}: missing")
+    lines = path.read_text().splitlines(keepends=True)
+    if not lines:
+        raise CompareError(f"{path}: empty")
+    header = next(csv.reader([lines[0]]))
+    if "study" not in header:
+        raise CompareError(f"{path}: no column 'study'")
+    column = header.index("study")
+    body = [line for row, line in zip(csv.reader(lines[1:]), lines[1:]) if row and row[column] in studies]
+    return lines[0], body
+
+
+def _frame(header: str, body: list[str]) -> pd.DataFrame:
+    return pd.read_csv(io.StringIO(header + "".join(body)), keep_default_na=False, na_values=[""])
+
+
+def _plain(value):
+    """A numpy scalar as the Python value it holds (its repr is the number, not ``np.float64(...)``)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def compare_table(committed: Path, fresh: Path, studies: list[str], byte_for_byte: bool) -> list[str]:
+    """Differences of the studies' rows between two copies of one table (empty when they agree)."""
+    (head_a, rows_a), (head_b, rows_b) = _study_lines(committed, studies), _study_lines(fresh, studies)
+    if not rows_a:
+        raise CompareError(f"{committed}: no row of study {', '.join(studies)}")
+    if byte_for_byte:
+        if head_a != head_b:
+            return [f"header: {head_a.strip()!r} vs {head_b.strip()!r}"]
+        return [f"{a.strip()!r} vs {b.strip()!r}" for a, b in zip(rows_a, rows_b) if a != b] + (
+            [f"{len(rows_a)} rows vs {len(rows_b)}"] if len(rows_a) != len(rows_b) else [])
+    a, b = _frame(head_a, rows_a), _frame(head_b, rows_b)
+    if list(a.columns) != list(b.columns):
+        return [f"columns {list(a.columns)} vs {list(b.columns)}"]
+    if len(a) != len(b):
+        return [f"{len(a)} rows vs {len(b)}"]
+    exact = committed.name in EXACT_TABLES
+    diffs = []
+    for column in a.columns:
+        x, y = a[column], b[column]
+        if not exact and pd.api.types.is_float_dtype(x) and pd.api.types.is_float_dtype(y):
+            same = np.isclose(x.to_numpy(float), y.to_numpy(float), rtol=RTOL, atol=ATOL, equal_nan=True)
+        else:
+            same = ((x == y) | (x.isna() & y.isna())).to_numpy()
+        for i in np.flatnonzero(~same):
+            label = " ".join(str(a.at[i, k]) for k in ("study", "claim", "quantity", "task", "policy") if k in a)
+            diffs.append(f"{label}: {column} {_plain(x.iat[i])!r} vs {_plain(y.iat[i])!r}")
+    return diffs
+
+
+def compare(committed: Path, fresh: Path, studies: list[str], byte_for_byte: bool) -> bool:
+    """Print one line per table (and its differences); True when every table agrees."""
+    ok = True
+    for name in TABLES:
+        diffs = compare_table(committed / name, fresh / name, studies, byte_for_byte)
+        if not diffs:
+            if byte_for_byte:
+                agreed = "identical"
+            else:
+                agreed = "equal" if name in EXACT_TABLES else f"equal, floats within rtol {RTOL:g}"
+            print(f"verify-results: {name} ({', '.join(studies)}): {agreed}")
+            continue
+        ok = False
+        print(f"verify-results: {name} ({', '.join(studies)}): DIFFERS")
+        for line in diffs[:20]:
+            print(f"  {line}")
+        if len(diffs) > 20:
+            print(f"  ... and {len(diffs) - 20} more")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("studies", nargs="*", help="studies of workflow/scales/default.yaml")
+    parser.add_argument("--committed", type=Path, default=Path("results"))
+    parser.add_argument("--fresh", type=Path, help="where the studies were recomputed (make verify-results)")
+    parser.add_argument("--list", action="store_true", help="print the default scale's studies and stop")
+    parser.add_argument("--check", action="store_true", help="check the study names and stop")
+    args = parser.parse_args(argv)
+    known = known_studies()
+    if args.list:
+        print(" ".join(known))
+        return 0
+    unknown = [s for s in args.studies if s not in known]
+    if unknown or not args.studies:
+        what = f"STUDIES={' '.join(unknown)}: unknown study" if unknown else "no study named"
+        print(f"verify-results: error: {what}; known (workflow/scales/default.yaml): {', '.join(known)}",
+              file=sys.stderr)
+        return 2
+    if args.check:
+        return 0
+    if args.fresh is None:
+        parser.error("--fresh is required")
+    from kvcert.provenance import numeric_platform
+
+    here = {k: numeric_platform()[k] for k in PLATFORM_KEYS}
+    record = record_platform(args.committed, args.studies)
+    byte_for_byte = record == here
+    if byte_for_byte:
+        print(f"verify-results: this machine's numeric platform equals the record's ({here}): byte for byte")
+    else:
+        print(f"verify-results: this machine's numeric platform {here} is not the record's "
+              f"({record or 'not one platform in its manifests'}): verdicts, sample sizes and accuracies equal, "
+              f"other numbers within rtol {RTOL:g} / atol {ATOL:g}")
+    try:
+        return 0 if compare(args.committed, args.fresh, args.studies, byte_for_byte) else 1
+    except CompareError as err:
+        print(f"verify-results: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
