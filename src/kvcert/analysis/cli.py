@@ -29,15 +29,23 @@ DEFAULTS = {"cells": [], "figure_dir": "paper_figures", "figures": True, "prereg
             "n_boot": None, "seed": None, "allow_mixed_code": False, "prereg_version": 1}
 
 
-def _analysis(number: int):
+def _analysis(number: int, root: Path | None = None):
     """(registry, run_claim) of pre-registration version ``number``: version 1's frozen claims module, or
     amendment 2's module for versions 2 and 3 (amendment 3 changes the design's size, not the analysis;
-    imported only when asked for: it needs scikit-learn)."""
+    imported only when asked for: it needs scikit-learn). From version 4 on, amendment 2's module with the
+    named variants the amendment's ``analysis`` mapping selects (kvcert.analysis.variants), read from the
+    amendment document under ``root``."""
     if number == 1:
         return claims.REGISTRY, claims.run_claim
     from kvcert.analysis import amendment2
 
-    return amendment2.REGISTRY, amendment2.run_claim
+    if number < 4:
+        return amendment2.REGISTRY, amendment2.run_claim
+    from kvcert.analysis import variants
+
+    doc = prereg.load_amendment(root or Path("."), number)
+    return variants.with_variants(amendment2.REGISTRY, amendment2.run_claim, doc.get("analysis"),
+                                  prereg.version(number).document)
 
 
 def cell_fingerprints(dirs: list[Path]) -> dict[str, str | None]:
@@ -85,7 +93,7 @@ def run(cfg: dict) -> claims.ClaimResult:
     number = int(cfg["prereg_version"])
     prereg.version(number)
     verify_lock(root, number)
-    registry, run_claim = _analysis(number)
+    registry, run_claim = _analysis(number, root)
     claim_id = str(cfg["claim"])
     if claim_id not in registry:
         raise AnalysisError(f"claim={claim_id} is not one of {', '.join(sorted(registry))}")
