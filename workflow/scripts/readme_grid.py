@@ -68,10 +68,10 @@ def splice(readme_text, grid):
     """``readme_text`` with everything between the grid markers replaced by ``grid``."""
     if readme_text.count(START) != 1 or readme_text.count(END) != 1:
         raise ValueError(f"README must hold {START} and {END} once each")
+    if readme_text.index(END) < readme_text.index(START):
+        raise ValueError(f"README's {START} must come before {END}")
     head, rest = readme_text.split(START)
     _, tail = rest.split(END)
-    if END in head:
-        raise ValueError(f"README's {START} must come before {END}")
     return f"{head}{START}\n{grid}{END}{tail}"
 
 
