@@ -110,3 +110,54 @@ def test_jsonl_malformed_line_names_file_line_and_id(tmp_path, bad_line, expecte
     assert expected_text in message
     if expected_id is not None:
         assert repr(expected_id) in message
+
+
+# ----------------------------------------------------------------------------- the task of a file's records
+
+
+@pytest.mark.parametrize("name, task", [
+    ("qa/cal.jsonl", "qa"), ("qa/eval.jsonl", "qa"),  # a file named by its split alone: the folder's name
+    ("w/qa-cal.jsonl", "qa"), ("w/qa_eval.jsonl", "qa"), ("w/qa.test.jsonl", "qa"), ("w/QA-Validation.jsonl", "QA"),
+    ("w/items_small.jsonl", "items_small"), ("w/local.jsonl", "local"),  # no separator before "cal": no split
+    ("w/summaries-train.jsonl", "summaries"),
+])
+def test_the_default_task_is_the_file_name_without_its_split(tmp_path, name, task):
+    from kvcert.data.jsonl import default_task
+
+    assert default_task(tmp_path / name) == task
+
+
+def _write_items(path: Path, ids: list[str], **extra) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({**GOOD, "id": i, **extra}) + "\n" for i in ids))
+    return path
+
+
+def test_one_workload_split_in_two_files_calibrates_and_evaluates_and_another_task_is_refused(tmp_path):
+    """The check kvcert-run applies before using a calibration (Calibration.check_prompts) passes for the
+    evaluation file of the calibration file's workload, and refuses a really different task."""
+    from kvcert.calibration import Calibration
+    from kvcert.errors import CalibrationError
+
+    def calibrated_on(path):
+        items = load_items("jsonl", {"path": str(path)}, None, None)
+        return Calibration(method="conformal", level=0.99, base="paper", unit="prompt", model={}, design={},
+                           fitted_on={"item_ids": [i.id for i in items], "tasks": sorted({i.task for i in items})},
+                           source=str(path))
+
+    def prompts(path):
+        return [(i.id, i.task) for i in load_items("jsonl", {"path": str(path)}, None, None)]
+
+    for cal, evaluation in ((tmp_path / "qa" / "cal.jsonl", tmp_path / "qa" / "eval.jsonl"),
+                            (tmp_path / "w" / "qa-cal.jsonl", tmp_path / "w" / "qa-eval.jsonl")):
+        calibration = calibrated_on(_write_items(cal, ["c1", "c2"]))
+        calibration.check_prompts(prompts(_write_items(evaluation, ["e1", "e2"])))  # one task: no refusal
+    other = _write_items(tmp_path / "w" / "summaries-eval.jsonl", ["s1"])
+    with pytest.raises(CalibrationError, match=r"fitted on tasks \['qa'\], but this run holds \['summaries'\]"):
+        calibration.check_prompts(prompts(other))
+    # a record's own task still decides: the qa workload's evaluation file holding another task is refused
+    relabelled = _write_items(tmp_path / "w2" / "qa-eval.jsonl", ["e3"], task="summaries")
+    with pytest.raises(CalibrationError, match="but this run holds"):
+        calibration.check_prompts(prompts(relabelled))
+    # and data.task names the task of every record that names none, whatever the file is called
+    assert {i.task for i in load_items("jsonl", {"path": str(other), "task": "qa"}, None, None)} == {"qa"}

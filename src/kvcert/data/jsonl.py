@@ -8,14 +8,23 @@ One JSON object per line::
 ``id``, ``context``, ``question`` and ``answers`` are required; ``answers`` is a list of
 strings or one string. The optional keys default to the config values ``answer_prefix``
 (""), ``max_new_tokens`` (32), ``metric`` (``string_match_part``: any one answer found in
-the prediction counts) and ``task`` (the file name without its extension). Blank lines are
-skipped; any other line that is not a valid item stops loading with a one-line
-``ValueError`` naming the file, the line number and the item id when it is known.
+the prediction counts) and ``task`` (``default_task``, below). Blank lines are skipped; any
+other line that is not a valid item stops loading with a one-line ``ValueError`` naming the
+file, the line number and the item id when it is known.
+
+A record's task is its own ``task`` key, else ``data.task``, else the file's: its name without
+the extension and without a trailing split name (``SPLITS``, after ``-``, ``_`` or ``.``), and
+for a file named by its split alone, its folder's name. So ``qa-cal.jsonl`` and
+``qa_eval.jsonl``, or ``qa/cal.jsonl`` and ``qa/eval.jsonl``, are both task ``qa``: one workload
+split into a calibration file and an evaluation file is one task, and a calibration fitted on
+one file serves the other; ``qa-cal.jsonl`` and ``summaries-eval.jsonl`` are two tasks, and
+kvcert-run refuses a calibration fitted on one for the other (``Calibration.check_prompts``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -25,6 +34,17 @@ from .metrics import METRICS
 CONFIG_KEYS = {"name", "path", "answer_prefix", "max_new_tokens", "metric", "task", "n_items"}
 DEFAULTS = {"answer_prefix": "", "max_new_tokens": 32, "metric": "string_match_part"}
 REQUIRED = ("id", "context", "question", "answers")
+# Names of a workload's splits that a file name may end with; what precedes them names the task.
+SPLITS = ("cal", "calib", "calibration", "dev", "eval", "evaluation", "heldout", "test", "train", "val", "valid",
+          "validation")
+_SPLIT_SUFFIX = re.compile(rf"(?:^|[-_.])(?:{'|'.join(SPLITS)})$", re.IGNORECASE)
+
+
+def default_task(path: str | Path) -> str:
+    """The task of a file's records that name none: the file name without its extension and trailing split
+    name, or the folder's name for a file named by its split alone (``qa/eval.jsonl`` -> ``qa``)."""
+    path = Path(path)
+    return _SPLIT_SUFFIX.sub("", path.stem) or path.resolve().parent.name or path.stem
 
 
 class _LineError(Exception):
@@ -85,6 +105,7 @@ def read_jsonl_items(path: str | Path, defaults: Mapping[str, Any] | None = None
     if not path.is_file():
         raise FileNotFoundError(f"jsonl items file not found: {path}")
     merged = {**DEFAULTS, **(defaults or {})}
+    task = default_task(path)
     items: list[Item] = []
     seen: dict[str, int] = {}
     with path.open(encoding="utf-8") as handle:
@@ -94,7 +115,7 @@ def read_jsonl_items(path: str | Path, defaults: Mapping[str, Any] | None = None
             record: Any = None
             try:
                 record = json.loads(line.rstrip("\r\n"))
-                item = _parse_record(record, merged, path.stem)
+                item = _parse_record(record, merged, task)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
             except _LineError as err:
