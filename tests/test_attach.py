@@ -11,7 +11,7 @@ import torch
 from test_generation_tiny import _build, _prompt
 
 import kvcert
-from kvcert.attention import ATTENTION_NAME, CACHE_KWARG
+from kvcert.attention import ATTENTION_NAME, CONTEXT_KWARG
 
 
 def test_attach_restores_the_implementation_on_exit():
@@ -79,4 +79,4 @@ def test_a_padded_batch_on_a_compressed_cache_is_refused():
     mask[1, :3] = 0
     with torch.no_grad(), kvcert.attach(model):
         with pytest.raises(ValueError, match="a padded batch cannot attend to a CompressedCache"):
-            model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, **{CACHE_KWARG: cache})
+            model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, **{CONTEXT_KWARG: cache})

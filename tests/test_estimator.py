@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvcert import EmptyRetainedSetError, certificate, hajek_attention
-from kvcert.estimator import hajek_with_bias, offset_bias, tail_moments, one_minus_pi
+from kvcert.estimator import hajek_with_variance, offset_bias, one_minus_pi
 
 
 def reference(q, k, v, log_pi, scale=None):
@@ -100,10 +100,10 @@ def _sampled_first(k, v, log_pi):
                           (torch.float32, 300.0, 2e-2, 1e-5)])
 @pytest.mark.parametrize("seed", [0, 3])
 def test_trace_path_matches_reference(seed, dtype, offset, rtol, atol):
-    """The serving path (moments of the sampled prefix only, trace only) against the per-row reference.
+    """The in-call variance (the sampled prefix only; per coordinate and trace only) against the per-row reference.
 
-    Slots after the first t are certain or padding; the +300 value offset checks that Σc·v − μΣc, taken
-    from the output's pass over raw values, does not cancel catastrophically in float32.
+    Slots after the first t are certain or padding; the +300 value offset checks that the sums, taken around
+    the rows' mean output, do not cancel catastrophically in float32.
     """
     q, k, v, log_pi = random_case(batch=(2, 3), m=4, n=23, dv=6, seed=seed)
     k, v, log_pi, t = _sampled_first(k, v, log_pi + 0.0)
@@ -111,12 +111,12 @@ def test_trace_path_matches_reference(seed, dtype, offset, rtol, atol):
     ref_out, ref_var = reference(q, k, v, log_pi)
     q, k, v, log_pi = (x.to(dtype) for x in (q, k, v, log_pi))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    per_coordinate = tail_moments(v[..., :t, :], one_minus_pi(log_pi[..., :t]), per_coordinate=True)
-    trace_only = tail_moments(v[..., :t, :], one_minus_pi(log_pi[..., :t]), per_coordinate=False)
+    tail = one_minus_pi(log_pi[..., :t])
     bias = offset_bias(log_pi).unsqueeze(-2)
-    out_c, var_c = hajek_with_bias(q, k, v, bias, scale, per_coordinate)
-    out_t, var_t = hajek_with_bias(q, k, v, bias, scale, trace_only)
-    assert var_c.shape == (2, 3, 4, 6) and var_t.shape == (2, 3, 4, 1)
+    out_c, var_c, terms_c = hajek_with_variance(q, k, v, bias, scale, tail, per_coordinate=True)
+    out_t, var_t, terms_t = hajek_with_variance(q, k, v, bias, scale, tail, per_coordinate=False)
+    assert var_c.shape == (2, 3, 4, 6) and var_t.shape == (2, 3, 4, 1) and terms_t.shape == (2, 3, 4, 2)
+    assert torch.equal(terms_c, terms_t)
     assert out_t.dtype == var_t.dtype == dtype
     np.testing.assert_allclose(out_t.numpy(), ref_out, rtol=0 if dtype == torch.float64 else 1e-6,
                                atol=1e-10 if dtype == torch.float64 else 1e-4)
@@ -128,9 +128,9 @@ def test_trace_path_matches_reference(seed, dtype, offset, rtol, atol):
 def test_trace_path_without_sampled_slots_is_zero():
     q, k, v, _ = random_case(seed=9)
     log_pi = torch.zeros(k.shape[:-1], dtype=torch.float64)
-    tail = tail_moments(v[..., :0, :], one_minus_pi(log_pi[..., :0]), per_coordinate=False)
-    out, var = hajek_with_bias(q, k, v, offset_bias(log_pi).unsqueeze(-2), 0.5, tail)
-    assert bool((var == 0).all()) and bool(torch.isfinite(out).all())
+    out, var, terms = hajek_with_variance(q, k, v, offset_bias(log_pi).unsqueeze(-2), 0.5, one_minus_pi(log_pi[..., :0]),
+                                          per_coordinate=False)
+    assert bool((var == 0).all()) and bool((terms == 0).all()) and bool(torch.isfinite(out).all())
 
 
 def test_large_logits_are_stable():

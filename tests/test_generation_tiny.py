@@ -21,7 +21,10 @@ from helpers.tiny_models import prompt as _prompt
 from transformers import DynamicCache
 
 import kvcert
-from kvcert.attention import CACHE_KWARG
+from kvcert.attention import CONTEXT_KWARG
+from kvcert.certificates import CertificateRecorder
+from kvcert.context import AttentionContext
+from kvcert.kernels import attention_path
 from kvcert.generation import decode_batch
 from kvcert.sampling import retained_count
 
@@ -53,17 +56,22 @@ def _stock_greedy(model, ids: torch.Tensor, steps: int):
 
 @torch.no_grad()
 def _kvcert_logits(model, state, selections, tokens, *, certify: bool, oracle: bool):
-    """Logits of the kvcert path on a derived cache, teacher-forced with ``tokens``; and the cache."""
-    cache = state.cache.derive(selections, certify=certify, oracle=oracle)
-    kwargs = {"cache": cache, "use_cache": True, CACHE_KWARG: cache}
-    with kvcert.attach(model):
+    """Logits of the kvcert path on a derived cache, teacher-forced with ``tokens``; and the pass's context."""
+    cache = state.cache.derive(selections)
+    recorder = None
+    if certify or oracle:
+        recorder = CertificateRecorder(cache.layers[0].length, oracle=oracle,
+                                       path=attention_path(cache.layers[0].keys.dtype, "cpu"))
+    ctx = AttentionContext(cache, recorder=recorder, oracle=state.cache if oracle else None)
+    kwargs = {"cache": cache, "use_cache": True, CONTEXT_KWARG: ctx}
+    with kvcert.attach(model, ctx):
         if state.suffix_ids.shape[-1] > 0:
             logits = [model(input_ids=state.suffix_ids, **kwargs).logits[0, -1]]
         else:
             logits = [state.last_logits[0]]
         for token in tokens:
             logits.append(model(input_ids=torch.tensor([[token]]), **kwargs).logits[0, -1])
-    return torch.stack(logits).float(), cache
+    return torch.stack(logits).float(), ctx
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -86,8 +94,8 @@ def test_budget_one_reproduces_stock_attention(arch):
                 diff = float((logits - ref_logits).abs().max())
                 assert diff <= ATOL, f"{arch} {setting} {design} certify={certify}: max |Δlogit| = {diff:.2e}"
                 if certify:
-                    assert cache.certificates.records, "a certifying cache records every compressed attention call"
-                    for rec in cache.certificates.records:
+                    assert cache.recorder.records, "a certifying decode records every compressed attention call"
+                    for rec in cache.recorder.records:
                         assert bool((rec.trace_var == 0).all())  # no tail: zero variance
                         assert float(rec.true_err.max()) < 1e-4
             decoded = kvcert.decode(model, state, selections, max_new_tokens=STEPS, certify=True, oracle=True)
@@ -134,7 +142,7 @@ def test_model_generate_runs_on_the_compressed_cache(arch, design):
     selections = kvcert.select(state, "snapkv", design, 0.25, seed=5)
     decoded = kvcert.decode(model, state, selections, max_new_tokens=6, certify=False)
     cache = state.cache.derive(selections)
-    with torch.no_grad(), kvcert.attach(model):
+    with torch.no_grad(), kvcert.attach(model, cache):  # generate drops kvcert's keyword: the cache is bound
         out = model.generate(
             input_ids=torch.cat([context, question], -1),
             attention_mask=torch.ones((1, context.shape[-1] + question.shape[-1]), dtype=torch.long),
@@ -151,6 +159,10 @@ def test_model_generate_runs_on_the_compressed_cache(arch, design):
     layer = cache.layers[0]
     assert layer.length == n + question.shape[-1] + 5
     assert layer.keys.shape[-2] - (layer.length - n) < n
+    # the binding lived for the block only
+    from transformers import AttentionInterface
+    assert model.config._attn_implementation == "sdpa"
+    assert not [name for name in AttentionInterface._global_mapping if name.startswith("kvcert_")]
 
 
 @pytest.mark.parametrize("setting", ["question_aware", "streaming"])
@@ -246,22 +258,20 @@ def test_interleaved_decodings_match_decode():
 def test_recorded_trace_matches_hajek_attention_on_the_captured_queries(setting):
     """Every recorded tr V̂ against ``hajek_attention`` (float64) on the same queries and retained slots.
 
-    The cache computes the variance from the softmax weights of the sampled slots and moments stacked over
-    layers, after the pass; here each attention call's queries and slots are captured and the variance is
-    recomputed from scratch, one query position at a time, with the causal and sliding-window masks folded
-    into log π. Gemma3 has a sliding and a full layer; the streaming setting also has a multi-token pass.
+    The attention call computes the variance from its own softmax weights of the sampled slots, centred on
+    the rows' mean output; here each call's queries and slots are captured and the variance is recomputed from
+    scratch, one query position at a time, with the causal and sliding-window masks folded into log π. Gemma3 has a sliding and a full layer; the streaming setting also has a multi-token pass.
     """
-    from helpers.attention import interposed
+    from helpers.attention import call_context, interposed
 
     from kvcert.attention import kvcert_attention
-    from kvcert.cache import active_cache
 
     _, model, _ = _build("gemma3")
     captured = []
 
     def capture(module, query, key, value, attention_mask, **kwargs):
-        cache = kwargs.get(CACHE_KWARG) or active_cache(module.layer_idx, key)
-        layer = cache.layers[module.layer_idx] if cache is not None else None
+        ctx = call_context(kwargs)
+        layer = ctx.cache.layers[module.layer_idx] if ctx is not None else None
         if layer is not None and layer.compressed:
             captured.append((module.layer_idx, query.detach().double(), layer.keys.double(), layer.values.double(),
                              layer.log_pi.double(), layer.positions.clone(), kwargs.get("scaling"),

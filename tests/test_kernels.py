@@ -273,14 +273,15 @@ def test_a_pass_mixing_kernel_and_pytorch_layers_records_the_same(oracle, op, mo
     from helpers.attention import interposed
     from test_generation_tiny import _build, _prefill, _prompt
 
-    from kvcert.attention import CACHE_KWARG, kvcert_attention
-    from kvcert.cache import active_cache
+    from helpers.attention import call_context
+
+    from kvcert.attention import kvcert_attention
     from kvcert.certificates import CertificateRecorder
 
     def mixed(module, query, key, value, attention_mask, **kwargs):
-        cache = kwargs.get(CACHE_KWARG) or active_cache(module.layer_idx, key)
-        if cache is not None and cache.certificates is not None:
-            cache.certificates.kernel = op if module.layer_idx == 0 else None
+        ctx = call_context(kwargs)
+        if ctx is not None and ctx.recorder is not None:
+            ctx.recorder.kernel = op if module.layer_idx == 0 else None
         return kvcert_attention(module, query, key, value, attention_mask, **kwargs)
 
     _, model, _ = _build("llama")
@@ -290,13 +291,13 @@ def test_a_pass_mixing_kernel_and_pytorch_layers_records_the_same(oracle, op, mo
     reference = kvcert.decode(model, state, poisson, max_new_tokens=5, certify=True, oracle=oracle)
 
     mixed_passes = []
-    variance = CertificateRecorder._variance
+    summarize = CertificateRecorder._summarize
 
-    def spy(self, steps, *rest):
-        mixed_passes.append({s.var is None for s in steps} == {True, False})
-        return variance(self, steps, *rest)
+    def spy(self, steps):  # the kernel hands (b, kv_heads, rows, ·) tensors, the PyTorch path (b·kv_heads, rows, ·)
+        mixed_passes.append(len({s.out.ndim for s in steps}) == 2)
+        return summarize(self, steps)
 
-    monkeypatch.setattr(CertificateRecorder, "_variance", spy)
+    monkeypatch.setattr(CertificateRecorder, "_summarize", spy)
     with interposed(mixed):
         result = kvcert.decode(model, state, poisson, max_new_tokens=5, certify=True, oracle=oracle)
     assert mixed_passes and all(mixed_passes)  # every pass really mixed both kinds of layers

@@ -22,7 +22,8 @@ LAYERS = {
     "kvcert.data": 1, "kvcert.hub": 1,
     "kvcert.designs": 2, "kvcert.policies": 2, "kvcert.models": 2, "kvcert.scales": 2,
     "kvcert.certificates": 3, "kvcert.calibration": 3, "kvcert.architectures": 3,
-    "kvcert.cache": 4,
+    "kvcert.cache": 3,  # stores slots only: nothing of certificates, calibration or kernels
+    "kvcert.context": 4,  # what a pass does beside attending: observations, recorder, oracle
     "kvcert.attention": 5,
     "kvcert.generation": 6,
     "kvcert.theory": 7, "kvcert.costs": 7, "kvcert.standins": 7,

@@ -22,13 +22,12 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers.attention import interposed
+from helpers.attention import call_context, interposed
 from helpers.tiny_models import ARCHS, build, prompt
 from transformers import DynamicCache
 
 import kvcert
-from kvcert.attention import CACHE_KWARG, kvcert_attention
-from kvcert.cache import active_cache
+from kvcert.attention import kvcert_attention
 from kvcert.designs import Selection
 
 STEPS = 4
@@ -191,8 +190,8 @@ def _capture(calls: list):
 
     def capture(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         out, _ = kvcert_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        cache = kwargs.get(CACHE_KWARG) or active_cache(module.layer_idx, key)
-        layer = cache.layers[module.layer_idx] if cache is not None else None
+        ctx = call_context(kwargs)
+        layer = ctx.cache.layers[module.layer_idx] if ctx is not None else None
         if layer is not None and layer.compressed:
             calls.append({"layer": module.layer_idx, "query": query.detach().double()[0].clone(),
                           "keys": layer.keys[0].double().clone(), "values": layer.values[0].double().clone(),

@@ -72,14 +72,14 @@ def _draws(step, layer, pi, generator, draws):
     lyr = step.cache.layers[layer]
     keys, values = lyr.keys[0].float(), lyr.values[0].float()  # (h, n + 1, d)
     h, _, d = keys.shape
-    query = lyr.observation.window_queries[0, :, -1, :].float()  # (q_heads, d): first decode step
+    query = step.observations[layer].window_queries[0, :, -1, :].float()  # (q_heads, d): first decode step
     q = query.reshape(h, -1, d)  # (h, group, d)
     n = pi.shape[-1]
     keep = kvcert.poisson_sample(pi.expand(draws, h, n), generator)
     log_pi = torch.where(keep, torch.log(pi).expand(draws, h, n), torch.tensor(float("-inf")))
     log_pi = torch.cat([log_pi, torch.zeros(draws, h, 1)], -1)  # the new token: certain
-    out, var = kvcert.hajek_attention(q[None], keys[None], values[None], log_pi, scale=lyr.scale)
-    logits = torch.matmul(q.double(), keys.double().transpose(-1, -2)) * lyr.scale
+    out, var = kvcert.hajek_attention(q[None], keys[None], values[None], log_pi, scale=step.observations[layer].scale)
+    logits = torch.matmul(q.double(), keys.double().transpose(-1, -2)) * step.observations[layer].scale
     full = torch.softmax(logits, -1) @ values.double()
     return out.double(), var.double(), full
 
@@ -114,10 +114,11 @@ def _topk_rel_err(state, step, budget):
         lyr = step.cache.layers[layer]
         keys, values = lyr.keys[0].float(), lyr.values[0].float()
         h, _, d = keys.shape
-        q = lyr.observation.window_queries[0, :, -1, :].float().reshape(h, -1, d)
+        obs = step.observations[layer]
+        q = obs.window_queries[0, :, -1, :].float().reshape(h, -1, d)
         log_pi = torch.cat([torch.where(keep, 0.0, float("-inf")), torch.zeros(h, 1)], -1)
-        out, _ = kvcert.hajek_attention(q, keys, values, log_pi, scale=lyr.scale)
-        full = torch.softmax(torch.matmul(q.double(), keys.double().transpose(-1, -2)) * lyr.scale, -1) @ values.double()
+        out, _ = kvcert.hajek_attention(q, keys, values, log_pi, scale=obs.scale)
+        full = torch.softmax(torch.matmul(q.double(), keys.double().transpose(-1, -2)) * obs.scale, -1) @ values.double()
         rel.append(((out.double() - full).square().sum((-1, -2)).sqrt() / full.square().sum((-1, -2)).sqrt()))
     return float(torch.cat(rel).median())
 

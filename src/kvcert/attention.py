@@ -2,10 +2,11 @@
 the scoped way a model uses it.
 
 The model's attention modules call ``kvcert_attention`` with post-RoPE queries and the slots the cache
-layer returned; the ``CompressedCache`` arrives as the ``kvcert_cache`` keyword that ``model(...)``
-forwards to attention functions (or, under ``model.generate``, is found as the cache this thread updated
-last). Query heads are grouped by KV head (GQA) without repeating keys: queries (batch, q_heads, m, d)
-become (batch, kv_heads, group·m, d). One small function per mode:
+layer returned; the ``AttentionContext`` (``kvcert.context``: the ``CompressedCache`` and what the pass does
+beside attending) arrives as the ``kvcert_context`` keyword that ``model(...)`` forwards to attention
+functions, or is bound by ``attach(model, context)`` for calls that drop unknown keywords (``model.generate``).
+Query heads are grouped by KV head (GQA) without repeating keys: queries (batch, q_heads, m, d) become
+(batch, kv_heads, group·m, d). One small function per mode:
 
 * ``plain_attention``: no kvcert cache (the model used normally while attached): causal attention, or
   the model's own mask when a batch is padded;
@@ -13,12 +14,14 @@ become (batch, kv_heads, group·m, d). One small function per mode:
   and, for H2O, the attention each key receives; then causal attention;
 * ``full_cache_attention``: an uncompressed layer: causal (and sliding-window) attention over its slots;
 * ``compressed_attention``: the Hájek offset −log π as an additive bias (docs/METHOD.md §3);
-* ``certified_attention``: the same estimate computed in float32 with its variance, handed to the cache's
-  ``CertificateRecorder`` (docs/METHOD.md §4), by the compiled kernel or by ``kvcert.estimator``.
+* ``certified_attention``: the same estimate computed in float32 with its variance, in the same call (the
+  compiled kernel, or ``kvcert.estimator.hajek_with_variance``), handed per query row to the decoding's
+  ``CertificateRecorder`` (docs/METHOD.md §4).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 from typing import Iterator
@@ -28,11 +31,12 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cache import CompressedCache, CompressedLayer, active_cache
-from .estimator import compute_dtype, hajek_with_weights
+from .cache import CompressedCache, CompressedLayer
+from .context import AttentionContext, Observation
+from .estimator import compute_dtype, hajek_with_variance, one_minus_pi
 
 ATTENTION_NAME = "kvcert"
-CACHE_KWARG = "kvcert_cache"
+CONTEXT_KWARG = "kvcert_context"
 _H2O_CHUNK = 256
 
 
@@ -91,9 +95,10 @@ def plain_attention(module, query, key, value, attention_mask, scale: float, sli
     return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=True)
 
 
-def _observe(layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, scale: float, sliding: int | None):
+def _observe(obs: Observation, layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, scale: float,
+             sliding: int | None):
     """Record the last window queries and, if asked, the attention each key received during prefill."""
-    obs = layer.observation
+    obs.scale, obs.sliding_window = scale, sliding
     queries = query.detach()
     if obs.window_queries is not None:
         queries = torch.cat([obs.window_queries, queries], dim=-2)
@@ -116,10 +121,9 @@ def _observe(layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, sca
     obs.accumulated_attention = total
 
 
-def prefill_attention(layer: CompressedLayer, query, key, value, scale: float, sliding: int | None):
-    """An observing layer: record what the policies need, then causal attention, (b, hq, m, d)."""
-    layer.sliding_window, layer.scale = sliding, scale
-    _observe(layer, query, key, scale, sliding)
+def prefill_attention(obs: Observation, layer: CompressedLayer, query, key, value, scale: float, sliding: int | None):
+    """An observed layer: record what the policies need, then causal attention, (b, hq, m, d)."""
+    _observe(obs, layer, query, key, scale, sliding)
     m = query.shape[-2]
     if sliding is None and m == key.shape[-2] and m > 1:
         # A whole uncompressed prefix at once: plain causal attention, no explicit mask.
@@ -163,25 +167,28 @@ def compressed_attention(layer: CompressedLayer, query, key, value, scale: float
     return _sdpa(query, grouped_q, key, value, grouped_bias, scale)
 
 
-def _oracle_attention(grouped_q, layer: CompressedLayer, q_pos, sliding, scale: float, group: int) -> torch.Tensor:
+def _oracle_attention(grouped_q, layer: CompressedLayer, prefix_layer: CompressedLayer, q_pos, sliding, scale: float,
+                      group: int) -> torch.Tensor:
     """The oracle: the same grouped queries over the uncompressed prefix plus the appended tokens.
 
-    grouped_q: (b, kv_heads, group·m, d); the prefix (1, kv_heads, n, d) is shared by all batch rows, the
-    appended slots are the layer's slots after ``n_prefix_slots``. Returns (b, kv_heads, group·m, dv).
+    grouped_q: (b, kv_heads, group·m, d); the prefix, ``prefix_layer``'s slots (1, kv_heads, n, d), is shared by
+    all batch rows; the appended slots are ``layer``'s slots after ``n_prefix_slots``. Returns (b, kv_heads,
+    group·m, dv).
     """
-    dtype = compute_dtype(grouped_q, layer.prefix_keys)
+    prefix_keys, prefix_values = prefix_layer.keys, prefix_layer.values
+    dtype = compute_dtype(grouped_q, prefix_keys)
     q = grouped_q.to(dtype)
     k0 = layer.n_prefix_slots
-    n = layer.prefix_keys.shape[-2]
+    n = prefix_keys.shape[-2]
     need_mask = q_pos.shape[-1] > 1 or sliding is not None
-    prefix = _shared_matmul(q, layer.prefix_keys.to(dtype).transpose(-1, -2)) * scale
+    prefix = _shared_matmul(q, prefix_keys.to(dtype).transpose(-1, -2)) * scale
     if need_mask:
         prefix = prefix + _group(_mask_bias(_allowed(torch.arange(n, device=q.device), q_pos, sliding), dtype), group)
     appended = torch.matmul(q, layer.keys[:, :, k0:].to(dtype).transpose(-1, -2)) * scale
     if need_mask:
         appended = appended + _group(_mask_bias(_allowed(layer.positions[:, :, k0:], q_pos, sliding), dtype), group)
     weights = torch.softmax(torch.cat([prefix, appended], dim=-1), dim=-1)
-    return _shared_matmul(weights[..., :n], layer.prefix_values.to(dtype)) + torch.matmul(
+    return _shared_matmul(weights[..., :n], prefix_values.to(dtype)) + torch.matmul(
         weights[..., n:], layer.values[:, :, k0:].to(dtype)
     )
 
@@ -196,33 +203,34 @@ def _shared_matmul(x: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     return torch.matmul(folded, shared).reshape(h, b, r, -1).transpose(0, 1)
 
 
-def certified_attention(cache: CompressedCache, layer_idx: int, query, key, value, scale: float, sliding: int | None):
-    """A compressed layer with certificate: the Hájek estimate in float32 and its variance, handed to the
-    cache's recorder with the oracle's full-cache output in oracle mode. Returns (b, hq, m, d) in the query
-    dtype. The compiled kernel computes output and variance in one pass where it applies; otherwise the
-    estimator's output and the attention weights of the sampled slots go to the recorder, which computes
-    the variance once the forward pass is complete."""
-    layer = cache.layers[layer_idx]
-    recorder = cache.certificates
+def certified_attention(ctx: AttentionContext, layer_idx: int, query, key, value, scale: float, sliding: int | None):
+    """A compressed layer with certificate: the Hájek estimate in float32, its variance and the variance's
+    term sums, computed in this call (by the compiled kernel where it applies, else by
+    ``hajek_with_variance``) and handed per query row to the context's recorder, with the oracle's full-cache
+    output when the context has an oracle. Returns (b, hq, m, d) in the query dtype."""
+    layer = ctx.cache.layers[layer_idx]
+    recorder = ctx.recorder
     b, hq, m, _ = query.shape
     hk = key.shape[1]
     grouped_q, q_pos, grouped_bias = _grouped(layer, query, sliding, offset=True)
     # (b, kv_heads, ·, ·) -> (b·kv_heads, ·, ·): views, so that every matmul is one bmm
     flat = lambda t: t.reshape(b * hk, *t.shape[2:])  # noqa: E731
     full_out = None
-    if cache.oracle and layer.prefix_keys is not None:
-        full_out = flat(_oracle_attention(grouped_q, layer, q_pos, sliding, scale, hq // hk))
+    if ctx.oracle is not None:
+        full_out = flat(_oracle_attention(grouped_q, layer, ctx.oracle.layers[layer_idx], q_pos, sliding, scale,
+                                          hq // hk))
     shape = (b, hk, hq // hk, m, value.shape[-1])
+    # Only the first n_sampled_slots slots can have π < 1 (derive sorts them first).
+    tail_one_minus_pi = one_minus_pi(layer.log_pi[..., : layer.n_sampled_slots])  # (b, kv_heads, t)
     if recorder.kernel is not None:
         terms = grouped_q.new_empty((*grouped_q.shape[:-1], 2))  # (b, kv_heads, group·m, 2): Σc, Σc² per row
-        out, var = recorder.kernel(grouped_q, key, value, grouped_bias, layer.one_minus_pi, scale, terms)
-        recorder.add(layer_idx, shape, out, None, full_out, var=var, terms=terms)
+        out, var = recorder.kernel(grouped_q, key, value, grouped_bias, tail_one_minus_pi.contiguous(), scale, terms)
     else:
         # Rows are never empty here: every query sees itself (an appended, certain slot).
-        out, weights = hajek_with_weights(flat(grouped_q), flat(key), flat(value), flat(grouped_bias), scale,
-                                          check_empty=False)
-        # Only the first n_sampled_slots slots can have π < 1 (derive sorts them first).
-        recorder.add(layer_idx, shape, out, weights[..., : layer.n_sampled_slots], full_out)
+        out, var, terms = hajek_with_variance(flat(grouped_q), flat(key), flat(value), flat(grouped_bias), scale,
+                                              flat(tail_one_minus_pi), per_coordinate=recorder.oracle,
+                                              check_empty=False)
+    recorder.add(layer_idx, layer.length, shape, out, var, terms, full_out)
     return out.to(query.dtype).reshape(b, hq, m, -1)
 
 
@@ -237,33 +245,36 @@ def kvcert_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    bound_context: AttentionContext | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention as transformers calls it: query (batch, q_heads, m, d); key/value (batch, kv_heads, slots, d)
-    as the cache layer returned them. Returns (batch, m, q_heads, d) in the query dtype, and no weights."""
+    as the cache layer returned them. Returns (batch, m, q_heads, d) in the query dtype, and no weights.
+
+    The pass's ``AttentionContext`` (or a bare ``CompressedCache``) comes as the ``kvcert_context`` keyword, else
+    ``bound_context`` (``attach(model, context)``); without either, the model attends as it normally would."""
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("kvcert attention does not support attention logit soft-capping")
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     sliding = kwargs.pop("sliding_window", None)
-    cache = kwargs.get(CACHE_KWARG)
-    if not isinstance(cache, CompressedCache):
-        cache = active_cache(module.layer_idx, key)  # e.g. model.generate(cache=...), which drops kvcert_cache
-    if cache is None:
-        kwargs.pop(CACHE_KWARG, None)
+    ctx = kwargs.pop(CONTEXT_KWARG, None) or bound_context
+    if isinstance(ctx, CompressedCache):
+        ctx = AttentionContext(ctx)
+    if ctx is None:
         out = plain_attention(module, query, key, value, attention_mask, scale, sliding, **kwargs)
         return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None:
         raise ValueError("kvcert: a padded batch cannot attend to a CompressedCache (its rows are configurations "
                          "of one prompt); decode prompts one at a time")
-    layer = cache.layers[module.layer_idx]
-    if layer.observation is not None:
-        out = prefill_attention(layer, query, key, value, scale, sliding)
+    layer = ctx.cache.layers[module.layer_idx]
+    if ctx.observations is not None:
+        out = prefill_attention(ctx.observations[module.layer_idx], layer, query, key, value, scale, sliding)
     elif not layer.compressed:
         out = full_cache_attention(layer, query, key, value, scale, sliding)
-    elif cache.certificates is None:
+    elif ctx.recorder is None:
         out = compressed_attention(layer, query, key, value, scale, sliding)
     else:
-        out = certified_attention(cache, module.layer_idx, query, key, value, scale, sliding)
+        out = certified_attention(ctx, module.layer_idx, query, key, value, scale, sliding)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -277,22 +288,37 @@ def register() -> None:
 
 
 @contextmanager
-def attach(model) -> Iterator:
+def attach(model, context: AttentionContext | CompressedCache | None = None) -> Iterator:
     """Inside the block, ``model`` runs kvcert attention; on exit, normal or by exception, its previous
-    attention implementation is restored. Nested use is a no-op. ``kvcert.prefill``, ``decode`` and
-    ``generate`` attach by themselves for their own forward passes; use it around your own calls, e.g.
-    ``model.generate(..., cache=compressed_cache)``.
+    attention implementation is restored. ``kvcert.prefill``, ``decode`` and ``generate`` attach by themselves
+    for their own forward passes and hand their context to every call.
+
+    context: a ``CompressedCache`` (or ``AttentionContext``) that every call inside the block attends over
+    unless the call brings its own ``kvcert_context``: what ``model.generate(..., cache=cache)``, which drops
+    unknown keywords, needs (``with kvcert.attach(model, cache): model.generate(..., cache=cache)``). It is bound
+    to the function registered as ``ATTENTION_NAME`` (kvcert's, or a wrapper of it), under a name of its own
+    for the block, unregistered on exit. Nested use without a context is a no-op.
     """
     register()
     previous = model.config._attn_implementation
-    if previous == ATTENTION_NAME:
+    if context is None and previous is not None and previous.startswith(ATTENTION_NAME):
         yield model
         return
-    model.set_attn_implementation(ATTENTION_NAME)
+    name = ATTENTION_NAME
+    if context is not None:
+        ctx = context if isinstance(context, AttentionContext) else AttentionContext(context)
+        name = f"{ATTENTION_NAME}_{id(ctx):x}"
+        function = AttentionInterface._global_mapping[ATTENTION_NAME]
+        AttentionInterface.register(name, functools.partial(function, bound_context=ctx))
+        AttentionMaskInterface.register(name, padding_mask)
+    model.set_attn_implementation(name)
     try:
         yield model
     finally:
         model.set_attn_implementation(previous)
+        if name != ATTENTION_NAME:
+            AttentionInterface._global_mapping.pop(name, None)
+            AttentionMaskInterface._global_mapping.pop(name, None)
 
 
-__all__ = ["ATTENTION_NAME", "CACHE_KWARG", "attach", "kvcert_attention", "register"]
+__all__ = ["ATTENTION_NAME", "CONTEXT_KWARG", "attach", "kvcert_attention", "register"]

@@ -4,53 +4,20 @@ Each layer stores, per KV head, only its retained slots (rows padded to the long
 together with the slots' original positions, so RoPE'd keys keep their positions and new tokens get
 positions that continue the original sequence (``get_seq_length`` reports the logical length). The
 kvcert attention function (``kvcert.attention``) reads ``log_pi`` and ``positions`` to apply the Hájek
-offset and the causal / sliding-window mask. In oracle mode the uncompressed keys and values are kept
-beside the compressed ones so that every step can be compared against full attention. One cache can
-hold several configurations of the same prompt as batch rows, decoded together.
+offset and the causal / sliding-window mask. One cache can hold several configurations of the same prompt
+as batch rows, decoded together. What a pass does beside attending (the prefill's observations, the
+certificate recorder, the oracle's full prefix) is owned by the prefill or decoding that needs it
+(``kvcert.context``), never by the cache.
 """
 
 from __future__ import annotations
-
-import threading
-import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .certificates import CertificateRecorder
 from .designs import Selection
-from .estimator import offset_bias, one_minus_pi, sampled_slots
-from .kernels import attention_path
-
-_ACTIVE = threading.local()
-
-
-def active_cache(layer_idx: int, key: torch.Tensor) -> CompressedCache | None:
-    """The CompressedCache whose layer ``layer_idx`` has just returned exactly ``key`` from ``update``, if any.
-
-    ``model.generate`` refuses unknown keywords such as ``kvcert_cache``, so the attention function falls back
-    to the cache most recently updated on this thread; the identity check makes a stale entry harmless.
-    """
-    ref = getattr(_ACTIVE, "cache", None)
-    cache = ref() if ref is not None else None
-    if cache is None or layer_idx >= len(cache.layers) or cache.layers[layer_idx].keys is not key:
-        return None
-    return cache
-
-
-@dataclass
-class Observation:
-    """What the prefill records in one layer for the scoring policies.
-
-    window_queries: (batch, q_heads, w, head_dim); accumulated_attention: (batch, q_heads, n) or None.
-    """
-
-    window: int
-    accumulate: bool
-    window_queries: torch.Tensor | None = None
-    accumulated_attention: torch.Tensor | None = None
+from .estimator import offset_bias, sampled_slots
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -64,24 +31,16 @@ class CompressedLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False  # slots are never dropped by position: the window is applied as a mask
 
-    def __init__(self, sliding_window: int | None = None, observation: Observation | None = None):
+    def __init__(self):
         super().__init__()
-        self.sliding_window = sliding_window  # set by the attention function from the model's layer
-        self.scale: float | None = None  # likewise
-        self.observation = observation
         self.log_pi: torch.Tensor | None = None
         self.offset: torch.Tensor | None = None  # −log π (−inf where not retained): the attention bias
         self.positions: torch.Tensor | None = None
         self.length = 0
         self.filled = 0
         self._buffers: tuple[torch.Tensor, ...] | None = None  # keys, values, log_pi, offset, positions
-        # Oracle: the uncompressed prefix (1, kv_heads, n, head_dim); appended tokens are the slots after
-        # n_prefix_slots, shared by the compressed and the full view.
-        self.prefix_keys: torch.Tensor | None = None
-        self.prefix_values: torch.Tensor | None = None
-        self.n_prefix_slots = 0
+        self.n_prefix_slots = 0  # slots [0, n_prefix_slots) came from the prefix; appended tokens follow
         self.n_sampled_slots = 0  # slots [0, n_sampled_slots) hold every π < 1 of every row (derive sorts them first)
-        self.one_minus_pi: torch.Tensor | None = None  # 1 − π of those slots, (batch, kv_heads, n_sampled_slots)
         self.compressed = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -144,7 +103,7 @@ class CompressedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def derive(self, selections: list[Selection | None], oracle: bool, reserve: int = 0) -> CompressedLayer:
+    def derive(self, selections: list[Selection | None], reserve: int = 0) -> CompressedLayer:
         """A new layer with one row per configuration; this (prefill, batch 1) layer is left untouched.
 
         selections: per row a Selection (index/log_pi (1, kv_heads, k_r)) or None for every slot (the full
@@ -176,76 +135,42 @@ class CompressedLayer(CacheLayerMixin):
                 return expanded.gather(2, index.unsqueeze(-1).expand(*index.shape, t.shape[-1]))
             return expanded.gather(2, index)
 
-        layer = CompressedLayer(self.sliding_window)
-        layer.scale, layer.device, layer.length, layer.is_initialized = self.scale, self.device, self.length, True
+        layer = CompressedLayer()
+        layer.device, layer.length, layer.is_initialized = self.device, self.length, True
         layer._allocate(gather(self.keys), gather(self.values), log_pi, offset_bias(log_pi), gather(self.positions),
                         k_max + reserve)
         layer.n_prefix_slots = k_max
         layer.n_sampled_slots = n_sampled
-        layer.one_minus_pi = one_minus_pi(log_pi[..., :n_sampled]).contiguous()
         layer.compressed = any(sel is not None for sel in selections)
-        if oracle and layer.compressed:
-            layer.prefix_keys, layer.prefix_values = self.keys, self.values
         return layer
 
 
 class CompressedCache(Cache):
-    """A ``transformers.Cache`` of ``CompressedLayer``s: it stores slots, nothing else.
+    """A ``transformers.Cache`` of ``CompressedLayer``s: it stores slots, nothing else."""
 
-    certificates: the ``CertificateRecorder`` that the attention function hands its certified calls to
-    (None: no certificate is computed, compressed layers attend with the plain offset bias). It exists when
-    the cache was derived with ``certify`` or ``oracle``; ``oracle`` also keeps the full prefix beside.
-    """
-
-    def __init__(self, layers: list[CompressedLayer], *, certify: bool = False, oracle: bool = False):
+    def __init__(self, layers: list[CompressedLayer]):
         super().__init__(layers=layers)
-        self.oracle = oracle
-        self.certificates: CertificateRecorder | None = None
-        if certify or oracle:
-            first = next((layer for layer in layers if layer.is_initialized), None)
-            dtype = first.keys.dtype if first is not None else torch.float32
-            device = first.keys.device if first is not None else torch.device("cpu")
-            self.certificates = CertificateRecorder(
-                layers, max((layer.length for layer in layers), default=0), oracle=oracle,
-                path=attention_path(dtype, device),
-            )
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Append to layer ``layer_idx`` (see ``CompressedLayer.update``) and mark this cache as the active one."""
-        _ACTIVE.cache = weakref.ref(self)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     @classmethod
-    def for_prefill(cls, num_layers: int, observation_window: int, accumulate: bool) -> CompressedCache:
-        """An empty cache whose layers record the observation window (and accumulated attention)."""
-        layers = [CompressedLayer(None, Observation(window=observation_window, accumulate=accumulate))
-                  for _ in range(num_layers)]
-        return cls(layers)
+    def empty(cls, num_layers: int) -> CompressedCache:
+        """A cache with no slots yet (a prefill fills it)."""
+        return cls([CompressedLayer() for _ in range(num_layers)])
 
-    def derive(
-        self, selections: list[Selection] | None, *, certify: bool = False, oracle: bool = False, reserve: int = 0
-    ) -> CompressedCache:
+    def derive(self, selections: list[Selection] | None, *, reserve: int = 0) -> CompressedCache:
         """A new cache for one configuration: per-layer ``selections``, or None for the full cache."""
-        return self.derive_batch([selections], certify=certify, oracle=oracle, reserve=reserve)
+        return self.derive_batch([selections], reserve=reserve)
 
-    def derive_batch(
-        self,
-        configurations: list[list[Selection] | None],
-        *,
-        certify: bool = False,
-        oracle: bool = False,
-        reserve: int = 0,
-    ) -> CompressedCache:
+    def derive_batch(self, configurations: list[list[Selection] | None], *, reserve: int = 0) -> CompressedCache:
         """A new cache with one batch row per configuration; this (prefill) cache is left untouched.
 
         configurations: per row, the per-layer Selections, or None for the full cache. ``reserve``: slots
         of spare capacity for the tokens that will be appended.
         """
         layers = [
-            layer.derive([None if rows is None else rows[i] for rows in configurations], oracle=oracle, reserve=reserve)
+            layer.derive([None if rows is None else rows[i] for rows in configurations], reserve=reserve)
             for i, layer in enumerate(self.layers)
         ]
-        return CompressedCache(layers, certify=certify, oracle=oracle)
+        return CompressedCache(layers)
 
 
-__all__ = ["CompressedCache", "CompressedLayer", "Observation", "active_cache"]
+__all__ = ["CompressedCache", "CompressedLayer"]

@@ -17,8 +17,6 @@ inputs are float64) whatever the input dtype, so a bf16 model still gets a float
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import torch
 
 from .defaults import DELTA
@@ -50,43 +48,6 @@ def one_minus_pi(log_pi: torch.Tensor) -> torch.Tensor:
     """1 − π per slot, (..., n) from log π (..., n): 0 for certain tokens, in (0, 1) for sampled ones, 1 for
     non-retained slots (whose attention weight is 0 anyway). Computed as −expm1(log π) for accuracy near π = 1."""
     return -torch.expm1(log_pi)
-
-
-class TailMoments(NamedTuple):
-    """What the variance needs from the slots that may have π < 1, computed once per retained set.
-
-    center: (..., 1, dv), the mean value μ over those t slots; one_minus_pi: (..., 1, t); stacked: the rows
-    [(v_i − μ)², v_i − μ, 1], (..., t, 2dv+1), when ``per_coordinate``, else [‖v_i − μ‖², v_i − μ, 1],
-    (..., t, dv+2), which is all the trace needs. One matmul with c_i = (1 − π_i) a_i² then yields
-    Σc(v−μ)², Σc(v−μ) and Σc.
-    """
-
-    center: torch.Tensor
-    stacked: torch.Tensor
-    one_minus_pi: torch.Tensor
-    per_coordinate: bool = True
-
-
-def tail_moments(v: torch.Tensor, one_minus_pi: torch.Tensor, per_coordinate: bool = True) -> TailMoments:
-    """TailMoments of values v (..., t, dv) with per-slot weights one_minus_pi (..., t), in v's dtype.
-
-    Centering (on any constant; the mean is a good one) keeps the expanded variance Σc v² − 2ô Σc v + ô² Σc
-    free of catastrophic cancellation without materializing an (m, t, dv) tensor.
-    """
-    # no sampled slot at all (e.g. only deterministic rows): every sum is 0, and so is the variance
-    center = v.mean(dim=-2, keepdim=True) if v.shape[-2] else v.new_zeros((*v.shape[:-2], 1, v.shape[-1]))
-    dv = v.shape[-1]
-    width = dv if per_coordinate else 1
-    # written in place into one buffer: this runs once per prompt over every sampled value
-    stacked = v.new_empty((*v.shape[:-1], width + dv + 1))
-    vc = stacked[..., width : width + dv]
-    torch.sub(v, center, out=vc)
-    if per_coordinate:
-        torch.square(vc, out=stacked[..., :width])
-    else:
-        stacked[..., 0] = torch.linalg.vector_norm(vc, dim=-1).square_()
-    stacked[..., -1] = 1.0
-    return TailMoments(center, stacked, one_minus_pi.to(v.dtype).unsqueeze(-2), per_coordinate)
 
 
 def hajek_with_weights(
@@ -132,51 +93,48 @@ def effective_terms(terms: torch.Tensor) -> torch.Tensor:
                        torch.zeros_like(total))
 
 
-def linearized_variance(sampled_attention: torch.Tensor, out: torch.Tensor, tail: TailMoments,
-                        terms: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """V̂ = Σ_tail (1 − π_i) a_i² (v_i − ô)² from the attention weights of the t sampled slots and the output.
-
-    sampled_attention: (..., m, t), the softmax weights a of the slots ``tail`` describes; out: (..., m, dv).
-    Returns (..., m, dv) per coordinate when ``tail.per_coordinate``, else (..., m, 1), the trace Σ_j V̂_j;
-    in out's dtype, clamped at 0 (the expansion can round slightly below). With ``terms``, also
-    ``variance_terms`` of the same weights, (..., m, 2).
-    """
-    dtype = out.dtype
-    center, stacked, one_minus_pi = (t if t.dtype == dtype else t.to(dtype) for t in tail[:3])
-    c = sampled_attention.square().mul_(one_minus_pi)
-    term_sums = variance_terms(c) if terms else None
-    sums = torch.matmul(c, stacked)  # Σc·second moment, Σc(v−μ), Σc
-    width = sums.shape[-1] - out.shape[-1] - 1  # dv per coordinate, 1 for the trace
-    oc = out - center
-    # Σc(v−ô)² = Σc(v−μ)² − 2·oc·Σc(v−μ) + oc²·Σc with oc = ô − μ, as fused multiply-adds
-    half = torch.addcmul(sums[..., width:-1], oc, sums[..., -1:], value=-0.5)
-    if tail.per_coordinate:
-        var = torch.addcmul(sums[..., :width], oc, half, value=-2.0)
-    else:
-        var = torch.add(sums[..., :1], torch.linalg.vecdot(oc, half).unsqueeze(-1), alpha=-2.0)
-    var = var.clamp_min_(0.0)
-    return (var, term_sums) if terms else var
-
-
-def hajek_with_bias(
+def hajek_with_variance(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     bias: torch.Tensor | None,
     scale: float,
-    tail: TailMoments | None = None,
+    one_minus_pi: torch.Tensor,
+    per_coordinate: bool = True,
     check_empty: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``hajek_with_weights`` plus ``linearized_variance`` over the first t slots that ``tail`` describes.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hájek output, its linearized variance and the variance's term sums, in one call.
 
-    Shapes as in ``hajek_with_weights``; the slots after the first t must be certain (π = 1) or not
-    retained. Returns out (..., m, dv) and var ((..., m, dv) per coordinate, (..., m, 1) the trace, or None
-    without tail).
+    q: (..., m, d); k: (..., n, d); v: (..., n, dv); bias: broadcastable to (..., m, n) (−log π plus any −inf
+    mask, as in ``hajek_with_weights``); one_minus_pi: (..., t), 1 − π of the first t slots, the only ones that
+    may be sampled (later slots must be certain or not retained; the cache sorts sampled slots first).
+    Returns out (..., m, dv); var (..., m, dv) per coordinate, or (..., m, 1) the trace Σ_j V̂_j, clamped at 0;
+    terms (..., m, 2), ``variance_terms`` of c_i = (1 − π_i) a_i². All float32 (float64 for float64 inputs).
+
+    Everything per slot lives only inside this call: the certificate of a decode needs, per query row, the
+    three sums Σc, Σc(v − μ) and Σc(v − μ)², as the compiled kernel keeps them. Values are centred on μ, the
+    mean of the rows' outputs, before squaring, so that Σc(v − ô)² = Σc(v − μ)² − 2(ô − μ)·Σc(v − μ) +
+    ‖ô − μ‖²Σc keeps no cancellation from a large common offset of the values.
     """
+    dtype = compute_dtype(q, k, v)
+    q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in (q, k, v))
     out, weights = hajek_with_weights(q, k, v, bias, scale, check_empty)
-    if tail is None:
-        return out, None
-    return out, linearized_variance(weights[..., : tail.one_minus_pi.shape[-1]], out, tail)
+    t = one_minus_pi.shape[-1]
+    c = weights[..., :t].square_().mul_(one_minus_pi.to(dtype).unsqueeze(-2))  # (..., m, t)
+    del weights
+    terms = variance_terms(c)
+    center = out.mean(dim=-2, keepdim=True)  # (..., 1, dv)
+    centered = v[..., :t, :] - center  # (..., t, dv)
+    oc = out - center
+    s0 = terms[..., :1]
+    s1 = torch.matmul(c, centered)  # (..., m, dv)
+    if per_coordinate:
+        s2 = torch.matmul(c, centered.square_())
+        var = torch.addcmul(s2, oc, torch.addcmul(s1, oc, s0, value=-0.5), value=-2.0)
+    else:
+        s2 = torch.matmul(c, torch.linalg.vector_norm(centered, dim=-1, keepdim=True).square_())  # (..., m, 1)
+        var = torch.add(s2, torch.linalg.vecdot(oc, torch.addcmul(s1, oc, s0, value=-0.5)).unsqueeze(-1), alpha=-2.0)
+    return out, var.clamp_min_(0.0), terms
 
 
 def hajek_attention(
@@ -203,8 +161,8 @@ def hajek_attention(
         raise ValueError("log_pi must be <= 0 (log of a probability)")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     log_pi = log_pi.to(compute_dtype(q, k, v))
-    tail = tail_moments(v.to(log_pi.dtype), one_minus_pi(log_pi))
-    return hajek_with_bias(q, k, v, offset_bias(log_pi).unsqueeze(-2), scale, tail)
+    out, var, _ = hajek_with_variance(q, k, v, offset_bias(log_pi).unsqueeze(-2), scale, one_minus_pi(log_pi))
+    return out, var
 
 
 def certificate(trace_var: torch.Tensor, delta: float = DELTA) -> torch.Tensor:

@@ -17,10 +17,13 @@ import pandas as pd
 import torch
 
 from . import defaults
-from .attention import CACHE_KWARG, attach
+from .attention import CONTEXT_KWARG, attach
 from .cache import CompressedCache
+from .certificates import CertificateRecorder
+from .context import AttentionContext, Observation
 from .designs import DesignOptions, Selection, get_design
 from .estimator import certificate
+from .kernels import attention_path
 from .policies import LayerView, get_policy
 from .prompts import SETTINGS, build_prompt, check_setting, model_limit
 from .schema import STEP_COLUMNS
@@ -40,12 +43,13 @@ def item_seed(seed: int, item_id: str) -> int:
 class Prefill:
     """The shared state of one prompt.
 
-    cache: the prefix's cache (observing layers); prefix_ids: (1, n) prefilled tokens; suffix_ids: (1, s)
-    tokens fed after compression (the question in the streaming setting; empty otherwise);
-    last_logits: (1, vocab) float32 logits after the prefix.
+    cache: the prefix's cache; observations: per layer, what the prefill recorded for the policies;
+    prefix_ids: (1, n) prefilled tokens; suffix_ids: (1, s) tokens fed after compression (the question in the
+    streaming setting; empty otherwise); last_logits: (1, vocab) float32 logits after the prefix.
     """
 
     cache: CompressedCache
+    observations: list[Observation]
     prefix_ids: torch.Tensor
     suffix_ids: torch.Tensor
     last_logits: torch.Tensor
@@ -59,16 +63,15 @@ class Prefill:
 
     def layer_views(self) -> list[LayerView]:
         views = []
-        for layer in self.cache.layers:
-            obs = layer.observation
+        for layer, obs in zip(self.cache.layers, self.observations):
             views.append(
                 LayerView(
                     keys=layer.keys,
                     values=layer.values,
                     window_queries=obs.window_queries,
                     accumulated_attention=obs.accumulated_attention,
-                    scale=layer.scale,
-                    sliding_window=layer.sliding_window,
+                    scale=obs.scale,
+                    sliding_window=obs.sliding_window,
                 )
             )
         return views
@@ -107,11 +110,12 @@ def prefill(
     prefix_ids = prefix_ids.to(device)
     suffix_ids = (suffix_ids if suffix_ids is not None else prefix_ids[:, :0]).to(device)
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    cache = CompressedCache.for_prefill(n_layers, observation_window=observation_window, accumulate=accumulate)
+    ctx = AttentionContext.for_prefill(n_layers, observation_window=observation_window, accumulate=accumulate)
     # Only the last position's logits are needed; the full (n, vocab) matrix would dominate the prefill.
-    with attach(model):
-        out = model(input_ids=prefix_ids, cache=cache, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
-    return Prefill(cache, prefix_ids, suffix_ids, out.logits[:, -1].float(), setting, dict(policy_options or {}))
+    with attach(model, ctx):  # bound as well: some architectures do not forward keywords to attention
+        out = model(input_ids=prefix_ids, cache=ctx.cache, use_cache=True, logits_to_keep=1, **{CONTEXT_KWARG: ctx})
+    return Prefill(ctx.cache, ctx.observations, prefix_ids, suffix_ids, out.logits[:, -1].float(), setting,
+                   dict(policy_options or {}))
 
 
 def select(
@@ -158,14 +162,14 @@ def _empty_steps() -> pd.DataFrame:
     return pd.DataFrame({c: pd.Series(dtype="float64") for c in STEP_COLUMNS})
 
 
-def _steps_frame(cache: CompressedCache, row: int, delta: float, randomized: bool, limit: int) -> pd.DataFrame:
-    """Flatten batch row ``row`` of the cache's StepRecords into STEP_COLUMNS, keeping steps < limit.
+def _steps_frame(recorder: CertificateRecorder | None, row: int, delta: float, randomized: bool,
+                 limit: int) -> pd.DataFrame:
+    """Flatten batch row ``row`` of the recorder's StepRecords into STEP_COLUMNS, keeping steps < limit.
 
     Tensors are concatenated first and converted once, and every column is computed in numpy before one
     DataFrame is built: per-record conversions or pandas column operations would cost more than the
     certificate itself.
     """
-    recorder = cache.certificates
     records = [rec for rec in recorder.records if rec.first_step < limit] if recorder is not None else []
     if not records:
         return _empty_steps()
@@ -264,14 +268,18 @@ class Decoding:
         rows = len(configurations)
         any_compressed = any(c is not None for c in configurations)
         suffix = state.suffix_ids
-        self.cache = state.cache.derive_batch(
-            configurations, certify=certify and any_compressed, oracle=oracle and any_compressed,
-            reserve=suffix.shape[-1] + max_new_tokens,
-        )
+        self.cache = state.cache.derive_batch(configurations, reserve=suffix.shape[-1] + max_new_tokens)
+        self.recorder = None
+        if (certify or oracle) and any_compressed:
+            keys = state.cache.layers[0].keys
+            self.recorder = CertificateRecorder(max(layer.length for layer in self.cache.layers), oracle=oracle,
+                                                path=attention_path(keys.dtype, keys.device))
+        self.context = AttentionContext(self.cache, recorder=self.recorder,
+                                        oracle=state.cache if oracle and any_compressed else None)
         self.randomized = randomized if randomized is not None else [
             c is not None and any(sel.has_tail for sel in c) for c in configurations
         ]
-        self._kwargs = {CACHE_KWARG: self.cache, "cache": self.cache, "use_cache": True}
+        self._kwargs = {CONTEXT_KWARG: self.context, "cache": self.cache, "use_cache": True}
         if suffix.shape[-1] > 0:
             self._logits = self._forward(suffix.expand(rows, -1), logits_to_keep=1)
         else:
@@ -301,20 +309,19 @@ class Decoding:
 
     def _forward(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """One forward pass of (rows, m) ids on the derived cache; the last position's logits (rows, vocab)."""
-        with attach(self.model):
+        with attach(self.model, self.context):  # bound as well: some architectures do not forward keywords
             return self.model(input_ids=ids, **self._kwargs, **kwargs).logits[:, -1].float()
 
     def results(self) -> list[Decoded]:
         """One Decoded per row (call once ``advance`` has returned False)."""
         out = []
         suffix_len = self.state.suffix_ids.shape[-1]
-        recorder = self.cache.certificates
-        path = recorder.path.as_dict() if recorder is not None else None
+        path = self.recorder.path.as_dict() if self.recorder is not None else None
         for r, selections in enumerate(self.configurations):
             retained, cache_bytes, full_bytes = _footprint(self.state, selections)
             # Steps attending to the compressed cache: the suffix, then every generated token but the last.
             limit = suffix_len + len(self.tokens[r]) - 1
-            steps = (_steps_frame(self.cache, r, self.delta, self.randomized[r], limit) if selections is not None
+            steps = (_steps_frame(self.recorder, r, self.delta, self.randomized[r], limit) if selections is not None
                      else _empty_steps())
             out.append(Decoded(self.tokens[r], self.logprobs[r], steps, retained, cache_bytes, full_bytes,
                                attention_path=path if selections is not None else None))

@@ -97,14 +97,14 @@ def layer_state(model, tokenizer, prompt: str, layer: int, observation_window: i
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     state = prefill(model, ids, observation_window=observation_window)
     lyr = state.cache.layers[layer]
-    obs = lyr.observation
+    obs = state.observations[layer]
     return LayerState(
         keys=lyr.keys[0].detach().float(),
         values=lyr.values[0].detach().float(),
         window_queries=obs.window_queries[0].float(),
         query=obs.window_queries[0, :, -1, :].float(),
-        scale=float(lyr.scale),
-        sliding_window=lyr.sliding_window,
+        scale=float(obs.scale),
+        sliding_window=obs.sliding_window,
     )
 
 

@@ -20,3 +20,13 @@ def interposed(wrapper):
         yield
     finally:
         AttentionInterface.register(ATTENTION_NAME, kvcert_attention)
+
+
+def call_context(kwargs: dict):
+    """The ``AttentionContext`` a kvcert attention call was given (None for a call without one)."""
+    from kvcert.attention import CONTEXT_KWARG
+    from kvcert.cache import CompressedCache
+    from kvcert.context import AttentionContext
+
+    ctx = kwargs.get(CONTEXT_KWARG) or kwargs.get("bound_context")
+    return AttentionContext(ctx) if isinstance(ctx, CompressedCache) else ctx

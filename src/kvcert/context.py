@@ -1,0 +1,55 @@
+"""What kvcert attention needs besides the cache, owned by the prefill or the decoding that needs it.
+
+The cache (``kvcert.cache``) only stores slots. A forward pass on it is given an ``AttentionContext``: the
+cache, and what this pass must do beside attending. The prefill gives its ``Observation``s (what the scoring
+policies read), a certified decoding its ``CertificateRecorder``, an oracle decoding the prefill's
+uncompressed cache to compare against. ``kvcert.prefill`` and ``Decoding`` pass it to the model as the
+``kvcert_context`` keyword, which transformers forwards to attention functions; ``kvcert.attach(model,
+cache_or_context)`` binds one for calls that drop unknown keywords, such as ``model.generate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import CompressedCache
+from .certificates import CertificateRecorder
+
+
+@dataclass
+class Observation:
+    """What the prefill records in one layer for the scoring policies.
+
+    window_queries: (batch, q_heads, w, head_dim); accumulated_attention: (batch, q_heads, n) or None;
+    scale and sliding_window: the layer's, as the model's attention module passed them.
+    """
+
+    window: int
+    accumulate: bool
+    window_queries: torch.Tensor | None = None
+    accumulated_attention: torch.Tensor | None = None
+    scale: float | None = None
+    sliding_window: int | None = None
+
+
+@dataclass
+class AttentionContext:
+    """One forward pass's instructions: attend over ``cache``; record ``observations`` (prefill: one per
+    layer); hand certified calls to ``recorder``; compare with ``oracle`` (the prefill's cache, whose layers
+    hold the full prefix, batch 1)."""
+
+    cache: CompressedCache
+    observations: list[Observation] | None = None
+    recorder: CertificateRecorder | None = None
+    oracle: CompressedCache | None = field(default=None, repr=False)
+
+    @classmethod
+    def for_prefill(cls, num_layers: int, observation_window: int, accumulate: bool) -> AttentionContext:
+        """An empty cache whose layers are observed (the window's queries, and accumulated attention)."""
+        return cls(CompressedCache.empty(num_layers),
+                   [Observation(window=observation_window, accumulate=accumulate) for _ in range(num_layers)])
+
+
+__all__ = ["AttentionContext", "Observation"]
