@@ -430,3 +430,11 @@ def test_sensitivity_table_is_sensitivity_csv():
             assert cells[9] == f"{int(r['worst_layer'])}: {float(r['worst_layer_coverage']):.3f}"
             checked += 1
     assert checked == len(table)
+
+
+def test_readme_states_verify_results_tolerance():
+    spec = importlib.util.spec_from_file_location("compare_results", ROOT / "workflow" / "scripts" / "compare_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stated = re.search(r"every other number within ([\d.e+-]+) relative", " ".join(text(README).split()))
+    assert stated and float(stated.group(1)) == module.RTOL
