@@ -125,12 +125,26 @@ def test_bootstrap_ci_covers_the_truth_in_a_seeded_simulation():
 
 
 def test_bootstrap_is_seeded_and_paired():
-    x = np.random.default_rng(7).normal(size=30)
-    stat = lambda W: np.column_stack([stats.weighted_mean(x, W), stats.weighted_mean(x, W) - stats.weighted_mean(x, W)])
-    a = stats.cluster_bootstrap(stat, 30, n_boot=300, seed=3)
-    b = stats.cluster_bootstrap(stat, 30, n_boot=300, seed=3)
-    assert a == b
-    assert a[1].low == a[1].high == 0.0  # the same resamples for both arms
+    """Statistics bootstrapped together share every resample. With y = 2x + 1, each replicate of mean(y) is
+    2 mean(x) + 1 of the same resample, so the percentile intervals map exactly onto each other; on
+    separate resamples (the control: another seed for y) they differ by resampling noise."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=30)
+    y = 2 * x + 1
+
+    def mean(values):
+        return lambda W: stats.weighted_mean(values, W)
+
+    both = lambda W: np.column_stack([mean(x)(W), mean(y)(W)])
+    a = stats.cluster_bootstrap(both, 30, n_boot=300, seed=3)
+    assert a == stats.cluster_bootstrap(both, 30, n_boot=300, seed=3)
+    assert a != stats.cluster_bootstrap(both, 30, n_boot=300, seed=4)
+    ix, iy = a
+    assert (iy.low, iy.high) == pytest.approx((2 * ix.low + 1, 2 * ix.high + 1), abs=1e-12)
+    alone_x = stats.cluster_bootstrap(mean(x), 30, n_boot=300, seed=3)[0]
+    alone_y = stats.cluster_bootstrap(mean(y), 30, n_boot=300, seed=4)[0]
+    assert alone_x == ix  # one statistic or two: the seed alone decides the resamples
+    assert max(abs(alone_y.low - (2 * ix.low + 1)), abs(alone_y.high - (2 * ix.high + 1))) > 1e-3
 
 
 @pytest.mark.parametrize("lo,hi,verdict", [

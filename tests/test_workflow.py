@@ -9,6 +9,7 @@ README.md nothing.
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from kvcert.provenance import numeric_platform
 
@@ -59,6 +61,51 @@ def compare_with_reference(out: Path) -> None:
             assert compare_results.compare_table(REFERENCE / name, out / name, studies, byte_for_byte=False) == []
 
 
+def derived_verdict(claim: str, components: list[dict]) -> str:
+    """The verdict preregistration/claims.yaml's verdict_rule gives the components' intervals, written out
+    here apart from the analysis code (kvcert.analysis.verdicts), with the thresholds, directions and null
+    margins claims.yaml freezes (amendments 2 and 3 change none of them)."""
+    rules = {c["id"]: c["decision"]["components"] for c in yaml.safe_load(CLAIMS_YAML.read_text())["claims"]}
+    verdicts = []
+    for component in components:
+        rule = rules[claim][component["name"].split("[")[0]]  # accuracy_change[snapkv,topk,0.25] -> accuracy_change
+        lo, hi, t = component["ci_low"], component["ci_high"], float(rule["threshold"])
+        margin = float(rule.get("null_margin", 0.0))
+        if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+            verdicts.append("inconclusive")
+            continue
+        if rule.get("direction", "greater") == "less":  # mirrored: the hypothesis side is below t
+            lo, hi, t = -hi, -lo, -t
+        verdicts.append("supported" if lo > t else "not supported" if hi < t + margin else "inconclusive")
+    if all(v == "supported" for v in verdicts):
+        return "supported"
+    return "not supported" if "not supported" in verdicts else "inconclusive"
+
+
+def check_verdicts(out: Path, claims: pd.DataFrame) -> None:
+    """Each row's verdict and agreement against the ones derived from its claim's intervals (the claim
+    JSON of its study under ``out``) and claims.yaml; its threshold against claims.yaml's."""
+    paper = {c["id"]: c["paper_verdict"] for c in yaml.safe_load(CLAIMS_YAML.read_text())["claims"]}
+    for row in claims.itertuples():
+        result = json.loads((out / row.study / "claims" / f"{row.claim}.json").read_text())
+        components = result["details"]["components"]
+        expected = derived_verdict(row.claim, components)
+        assert (row.verdict, result["verdict"]) == (expected, expected), (row.study, row.claim)
+        assert row.paper_verdict == paper[row.claim]
+        assert row.agrees == ("n/a" if expected == "inconclusive" else "yes" if expected == paper[row.claim] else "no")
+        shown = [c for c in components if c["name"] == row.component]
+        assert len(shown) == 1 and row.threshold == shown[0]["threshold"], (row.study, row.claim, row.component)
+
+
+CLAIMS_YAML = ROOT / "preregistration" / "claims.yaml"
+
+
+def test_committed_verdicts_follow_from_their_intervals_and_the_preregistered_thresholds():
+    claims = pd.read_csv(ROOT / "results" / "claims.csv", keep_default_na=False, na_values=[""])
+    assert len(claims) == 7 * claims["study"].nunique()
+    check_verdicts(ROOT / "results", claims)
+
+
 def scheduled_jobs(proc) -> dict[str, int]:
     """Jobs per rule that a dry run lists (its job-stats table)."""
     counts = {}
@@ -79,7 +126,8 @@ def test_dry_run_is_clean(scale):
 def test_unknown_scale_is_one_clear_line():
     proc = snakemake("-n", "--config", "scale=huge")
     assert proc.returncode != 0
-    assert "--config scale=huge: unknown scale; known: default, paper, rehearse, sensitivity, smoke, v1, v2, v2-full" in proc.stdout + proc.stderr
+    known = ", ".join(sorted(p.stem for p in (ROOT / "workflow" / "scales").glob("*.yaml")))
+    assert f"--config scale=huge: unknown scale; known: {known}" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
@@ -95,7 +143,7 @@ def test_smoke_dag_end_to_end(tmp_path):
     assert sorted(claims["claim"]) == sorted([f"c{i}" for i in range(1, 8)] * 2)
     for column in CLAIM_COLUMNS:
         assert column in claims.columns
-    assert set(claims["verdict"]) <= {"supported", "not supported", "inconclusive"}
+    check_verdicts(ROOT / out, pd.read_csv(ROOT / out / "claims.csv", keep_default_na=False, na_values=[""]))
     figures = sorted((ROOT / out / "figures").glob("*/*.png"))
     assert len(figures) >= 5
     for name in ("claims.md", "claims.tex", "reproduction.csv"):
