@@ -1,42 +1,373 @@
-"""The pilot of a pre-registration amendment: full-cache accuracy of candidate tasks, with curtailment.
+"""The pilot of a pre-registration amendment: run its stages on pilot items and apply its rules.
 
-    python workflow/scripts/pilot.py --amendment preregistration/amendment-2.yaml --model smollm2 --out pilot-smollm2.csv
+    python workflow/scripts/pilot.py --amendment preregistration/amendment-4.yaml --model smollm2 --out pilot-smollm2.csv
+    python workflow/scripts/pilot.py choose --amendment preregistration/amendment-4.yaml \
+        --pilot pilot-smollm2.csv pilot-gemma3.csv --csv pilot.csv --out population.yaml
 
-For one model, every family's variants are tried in the amendment's order (``pilot.families``); a variant
-runs on ``pilot.n_items`` items of seed ``pilot.items_seed`` with the full cache only and stops as soon as it
-can no longer reach ``pilot.threshold`` (curtailment: it changes no decision). A family stops at its first
-passing variant. Writes one CSV row per variant tried: model, family, task, n run, n correct, accuracy,
-whether it passed, whether it was curtailed, CPU seconds per item (prefill + greedy decode). Nothing
-compressed is run.
+Amendment 2 (``pilot.families`` without ``stage_a``): full-cache accuracy of each family's variants in order,
+curtailed as soon as a variant can no longer reach ``pilot.threshold``; a family stops at its first passing
+variant (``--round 2``: the variants of ``pilot.round_2``).
+
+Amendment 4 (``pilot.stage_a`` .. ``stage_d``), one model per process: stage A, full-cache accuracy of every
+variant, curtailed once its band is out of reach; stage B, SnapKV top-k at 50% over the window x kernel grid on
+the stage-B tasks; stage C, top-k and Poisson at 25% (question-aware) at the chosen pair; stage D, the streaming
+full cache and Poisson at 25% at the chosen pair. The decisions between stages are the amendment's rules
+(``stage_b_tasks``, ``choose_pair``, ``population``), the same functions ``choose`` applies to the finished rows,
+so the population written is the one the stages ran on. One CSV row per (stage, variant, configuration): the
+accuracy (mean over items of the mean over seeds), items and runs, whether curtailed, CPU seconds per item.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
 from pathlib import Path
 
-import torch
 import yaml
 
-import kvcert
 from kvcert.atomic import write_text_atomic
-from kvcert.data import is_correct, load_items, score_item
-from kvcert.generation import eos_ids
-from kvcert.prompts import model_limit
-from kvcert.runner.cell import item_prompt
 
 COLUMNS = ["round", "model", "family", "task", "n_run", "n_correct", "accuracy", "passed", "curtailed", "cpu_s_per_item",
            "prompt_tokens_mean"]
+# Amendment 4's rows.
+COLUMNS_4 = ["model", "stage", "family", "task", "context_tokens", "window", "kernel", "setting", "design", "budget",
+             "n_items", "n_runs", "n_correct", "accuracy", "curtailed", "cpu_s_per_item"]
+FAMILY_ORDER = ("retrieval", "multi_hop_tracing", "aggregation")
+DEFAULT_PAIR = (16, 5)  # versions 1-3's SnapKV window and kernel: first in the tie order
+POISSON_SEEDS = (0, 1, 2)
 
 
 def _label(variant) -> str:
     return variant if isinstance(variant, str) else variant.get("label") or variant["name"]
 
 
+# --- the rules of amendment 4 (pure functions of the pilot's rows) -----------------------------------------------
+
+
+def variants_in_order(pilot: dict) -> list[tuple[str, dict]]:
+    """(family, variant) in the amendment's order: families as listed, variants as listed within each."""
+    return [(family, variant) for family, variants in pilot["families"].items() for variant in variants]
+
+
+def in_band(value: float, band) -> bool:
+    low, high = band
+    return (low is None or value >= low - 1e-12) and (high is None or value <= high + 1e-12)
+
+
+def band_distance(value: float, band) -> float:
+    low, high = band
+    return max(0.0, (low if low is not None else value) - value, value - (high if high is not None else value))
+
+
+def _rows(rows: list[dict], model: str, stage: str, **match) -> list[dict]:
+    return [r for r in rows if r["model"] == model and r["stage"] == stage
+            and all(r[k] == v for k, v in match.items())]
+
+
+def stage_a_accuracy(rows: list[dict], model: str) -> dict[str, float]:
+    return {r["task"]: float(r["accuracy"]) for r in _rows(rows, model, "A")}
+
+
+def in_band_tasks(rows: list[dict], model: str, pilot: dict) -> list[tuple[str, str]]:
+    """(family, task) of the model's stage-A in-band variants, in the amendment's order."""
+    acc = stage_a_accuracy(rows, model)
+    band = pilot["stage_a"]["band"]
+    return [(f, _label(v)) for f, v in variants_in_order(pilot) if _label(v) in acc and in_band(acc[_label(v)], band)]
+
+
+def stage_b_tasks(rows: list[dict], model: str, pilot: dict) -> list[tuple[str, str]]:
+    """Per family, the first in-band variant: the tasks the window x kernel grid is scored on."""
+    out, seen = [], set()
+    for family, task in in_band_tasks(rows, model, pilot):
+        if family not in seen:
+            seen.add(family)
+            out.append((family, task))
+    return out
+
+
+def tie_order(pilot: dict) -> list[tuple[int, int]]:
+    """(16, 5) first, then window ascending, then kernel ascending."""
+    pairs = sorted((int(w), int(k)) for w in pilot["stage_b"]["windows"] for k in pilot["stage_b"]["kernels"])
+    return ([DEFAULT_PAIR] if DEFAULT_PAIR in pairs else []) + [p for p in pairs if p != DEFAULT_PAIR]
+
+
+def choose_pair(rows: list[dict], model: str, pilot: dict) -> tuple[int, int]:
+    """The (window, kernel) with the highest stage-B top-k accuracy at 50%, tasks weighted equally; ties by
+    ``tie_order``. A model without stage-B rows keeps (16, 5)."""
+    scores = {}
+    for pair in tie_order(pilot):
+        found = _rows(rows, model, "B", window=pair[0], kernel=pair[1])
+        if found:
+            scores[pair] = sum(float(r["accuracy"]) for r in found) / len(found)
+    if not scores:
+        return DEFAULT_PAIR
+    best = max(scores.values())
+    return next(pair for pair in tie_order(pilot) if pair in scores and scores[pair] >= best - 1e-12)
+
+
+def stage_c_ratio(rows: list[dict], model: str, task: str, full: float) -> float | None:
+    """Pooled 25% question-aware accuracy (top-k and the three Poisson runs, each item's four runs averaged)
+    over the task's stage-A full-cache accuracy."""
+    found = _rows(rows, model, "C", task=task)
+    if not found or full <= 0:
+        return None
+    runs = sum(int(r["n_runs"]) for r in found)
+    return sum(float(r["accuracy"]) * int(r["n_runs"]) for r in found) / runs / full
+
+
+def stage_d_ratio(rows: list[dict], model: str, task: str) -> float | None:
+    """Streaming Poisson accuracy at 25% over the streaming full cache's, on the same items."""
+    full = _rows(rows, model, "D", task=task, design="full")
+    poisson = _rows(rows, model, "D", task=task, design="poisson")
+    if not full or not poisson or float(full[0]["accuracy"]) <= 0:
+        return None
+    return float(poisson[0]["accuracy"]) / float(full[0]["accuracy"])
+
+
+def population(rows: list[dict], pilot: dict, models: list[str]) -> dict:
+    """Amendment 4's population from the pilot's rows: per model, the pair, the question-aware and streaming
+    tasks (one per family at most) and every deviation rule that applied, in the amendment's words."""
+    variant_of = {_label(v): (f, v) for f, v in variants_in_order(pilot)}
+    out: dict = {"models": {}, "deviations": []}
+    for model in models:
+        acc = stage_a_accuracy(rows, model)
+        pair = choose_pair(rows, model, pilot)
+        candidates = in_band_tasks(rows, model, pilot)
+        qa, streaming = {}, {}
+        for family, task in candidates:
+            ratio_c = stage_c_ratio(rows, model, task, acc[task])
+            if family not in qa and ratio_c is not None and in_band(ratio_c, pilot["stage_c"]["band"]):
+                qa[family] = task
+            ratio_d = stage_d_ratio(rows, model, task)
+            if family not in streaming and ratio_d is not None and in_band(ratio_d, pilot["stage_d"]["band"]):
+                streaming[family] = task
+        for family in pilot["families"]:
+            if not any(f == family for f, _ in candidates):
+                out["deviations"].append(f"{model}: no {family} variant in the full-cache band (rule 1: left out)")
+        family_rank = {f: i for i, f in enumerate(pilot["families"])}
+        order = {_label(v): i for i, (_, v) in enumerate(variants_in_order(pilot))}
+        if not qa and acc:
+            nearest = min(acc, key=lambda t: (band_distance(acc[t], pilot["stage_a"]["band"]),
+                                              family_rank[variant_of[t][0]], order[t]))
+            qa[variant_of[nearest][0]] = nearest
+            out["deviations"].append(f"{model}: no question-aware task after stages A and C; enters with {nearest} "
+                                     f"(full-cache accuracy {acc[nearest]:.3f}, nearest to the band; rule 2)")
+        if not streaming:
+            ratios = {t: stage_d_ratio(rows, model, t) for _, t in candidates}
+            ratios = {t: r for t, r in ratios.items() if r is not None}
+            if ratios:
+                nearest = min(ratios, key=lambda t: (band_distance(ratios[t], pilot["stage_d"]["band"]),
+                                                     family_rank[variant_of[t][0]], order[t]))
+                why = f"stage-D ratio {ratios[nearest]:.3f}, nearest to the band"
+            elif qa:
+                nearest = next(iter(qa.values()))
+                why = "no in-band variant: its question-aware task"
+            else:
+                nearest = None
+            if nearest is not None:
+                streaming[variant_of[nearest][0]] = nearest
+                out["deviations"].append(f"{model}: no streaming task after stage D; enters with {nearest} ({why}; rule 3)")
+        out["models"][model] = {
+            "window": pair[0], "kernel": pair[1],
+            "question_aware": [variant_of[t][1] for t in sorted(qa.values(), key=order.get)],
+            "streaming": [variant_of[t][1] for t in sorted(streaming.values(), key=order.get)],
+        }
+    families = {variant_of[_label(v)][0] for m in out["models"].values() for v in m["question_aware"] + m["streaming"]}
+    out["families"] = [f for f in pilot["families"] if f in families]
+    if len(families) < 3:
+        out["deviations"].append(f"{len(families)} of 3 families enter the study ({', '.join(out['families'])}; rule 4)")
+    return out
+
+
+# --- running the stages ---------------------------------------------------------------------------------------------
+
+
+class Runner:
+    """One model's pilot runs: items, prompts and decoding exactly as the cell runner makes them."""
+
+    def __init__(self, model_name: str, pilot: dict, threads: int):
+        import torch
+
+        import kvcert
+        from kvcert.generation import eos_ids
+        from kvcert.prompts import model_limit
+
+        torch.set_num_threads(threads)
+        self.name, self.pilot = model_name, pilot
+        self.model, self.tokenizer = kvcert.load_model(model_name)
+        self.stop, self.limit = eos_ids(self.model, self.tokenizer), model_limit(self.model)
+        self.options = kvcert.DesignOptions()
+        self._items: dict[str, list] = {}
+
+    def items(self, variant: dict, n: int) -> list:
+        from kvcert.data import load_items
+
+        label = _label(variant)
+        if len(self._items.get(label, [])) < n:  # items never change when more are asked for (RULER's seeding)
+            cfg = {"name": "ruler", "tasks": [variant], "seed": int(self.pilot["items_seed"])}
+            self._items[label] = load_items("ruler", cfg, self.tokenizer, n)
+        return self._items[label][:n]
+
+    def outcomes(self, item, setting: str, configs: list[tuple], window: int = DEFAULT_PAIR[0],
+                 kernels: tuple[int, ...] = (DEFAULT_PAIR[1],)) -> dict[tuple, bool]:
+        """{(kernel, design, budget, seed): correct} for one item: one prefill at ``window``, one batch.
+
+        configs: (design, budget, seed) with design "full", "topk" or "poisson"; each is run at every kernel
+        (the full cache once).
+        """
+        from kvcert.data import is_correct, score_item
+        from kvcert.generation import decode_batch, item_seed, prefill, select
+        from kvcert.runner.cell import item_prompt
+
+        prompt = item_prompt(self.tokenizer, item, setting, self.limit, "middle")
+        state = prefill(self.model, prompt.prefix_ids, prompt.suffix_ids, setting=setting, observation_window=window,
+                        policy_options={"snapkv": {"kernel_size": kernels[0]}})
+        keys, selections = [], []
+        for kernel in kernels:
+            # A new kernel re-scores the same prefill (the scores are cached per state, so a copy per kernel).
+            scored = dataclasses.replace(state, policy_options={"snapkv": {"kernel_size": kernel}}, _scores={})
+            for design, budget, seed in configs:
+                if design == "full":
+                    if kernel == kernels[0]:
+                        keys.append((None, "full", 1.0, 0))
+                        selections.append(None)
+                    continue
+                keys.append((kernel, design, budget, seed))
+                selections.append(select(scored, "snapkv", design, budget, item_seed(seed, item.id), self.options))
+        decoded = decode_batch(self.model, state, selections, max_new_tokens=int(item.max_new_tokens),
+                               stop_ids=self.stop, certify=False, randomized=[k[1] == "poisson" for k in keys])
+        return {key: bool(is_correct(score_item(item, self.tokenizer.decode(d.token_ids, skip_special_tokens=True)),
+                                     item.metric)) for key, d in zip(keys, decoded)}
+
+    def row(self, stage, family, variant, setting, design, budget, window, kernel, per_item, cpu, curtailed=False):
+        """per_item: one list of outcomes (runs) per item."""
+        runs = sum(len(o) for o in per_item)
+        return {"model": self.name, "stage": stage, "family": family, "task": _label(variant),
+                "context_tokens": int(variant.get("context_tokens", 0)), "window": window, "kernel": kernel,
+                "setting": setting, "design": design, "budget": budget, "n_items": len(per_item), "n_runs": runs,
+                "n_correct": sum(sum(o) for o in per_item),
+                "accuracy": round(sum(sum(o) / len(o) for o in per_item) / len(per_item), 4), "curtailed": curtailed,
+                "cpu_s_per_item": round(cpu / len(per_item), 3)}
+
+
+def run_stage_a(runner: Runner, family: str, variant: dict) -> dict:
+    pilot = runner.pilot
+    n = int(pilot["n_items"])
+    low, high = pilot["stage_a"]["band"]
+    max_correct, max_failed = math.floor(high * n + 1e-9), n - math.ceil(low * n - 1e-9)
+    per_item, cpu = [], 0.0
+    for item in runner.items(variant, n):
+        start = time.process_time()
+        per_item.append([runner.outcomes(item, "question_aware", [("full", 1.0, 0)])[(None, "full", 1.0, 0)]])
+        cpu += time.process_time() - start
+        correct = sum(o[0] for o in per_item)
+        if correct > max_correct or len(per_item) - correct > max_failed:
+            break
+    return runner.row("A", family, variant, "question_aware", "full", 1.0, None, None, per_item, cpu,
+                      curtailed=len(per_item) < n)
+
+
+def run_stage_b(runner: Runner, family: str, variant: dict) -> list[dict]:
+    pilot = runner.pilot
+    windows, kernels = [int(w) for w in pilot["stage_b"]["windows"]], tuple(int(k) for k in pilot["stage_b"]["kernels"])
+    items = runner.items(variant, int(pilot["n_items_compressed"]))
+    outcomes = {(w, k): [] for w in windows for k in kernels}
+    cpu = 0.0
+    for item in items:
+        start = time.process_time()
+        for w in windows:
+            got = runner.outcomes(item, "question_aware", [("topk", 0.5, 0)], window=w, kernels=kernels)
+            for k in kernels:
+                outcomes[(w, k)].append([got[(k, "topk", 0.5, 0)]])
+        cpu += time.process_time() - start
+    share = cpu / len(outcomes)  # the grid's CPU time, spread evenly over its pairs
+    return [runner.row("B", family, variant, "question_aware", "topk", 0.5, w, k, per, share) for (w, k), per in outcomes.items()]
+
+
+def run_stage_cd(runner: Runner, family: str, variant: dict, pair: tuple[int, int]) -> list[dict]:
+    items = runner.items(variant, int(runner.pilot["n_items_compressed"]))
+    window, kernel = pair
+    rows = []
+    for stage, setting, configs in (
+        ("C", "question_aware", [("topk", 0.25, 0)] + [("poisson", 0.25, s) for s in POISSON_SEEDS]),
+        ("D", "streaming", [("full", 1.0, 0)] + [("poisson", 0.25, s) for s in POISSON_SEEDS]),
+    ):
+        by_design: dict[str, list] = {}
+        cpu = 0.0
+        for item in items:
+            start = time.process_time()
+            got = runner.outcomes(item, setting, configs, window=window, kernels=(kernel,))
+            cpu += time.process_time() - start
+            for design in dict.fromkeys(d for d, _, _ in configs):
+                by_design.setdefault(design, []).append([v for key, v in got.items() if key[1] == design])
+        for design, per_item in by_design.items():
+            budget = 1.0 if design == "full" else 0.25
+            rows.append(runner.row(stage, family, variant, setting, design, budget, window, kernel, per_item,
+                                   cpu / len(by_design)))
+    return rows
+
+
+def _say(row: dict) -> None:
+    print(", ".join(f"{k}={row[k]}" for k in COLUMNS_4), file=sys.stderr, flush=True)
+
+
+def pilot_amendment_4(runner: Runner, out: Path) -> list[dict]:
+    """Stages A-D for one model; the rows are written after every stage (a killed pilot keeps what it ran)."""
+    pilot, model, rows = runner.pilot, runner.name, []
+
+    def save():
+        write_text_atomic(_csv(rows, COLUMNS_4), out)
+
+    for family, variant in variants_in_order(pilot):
+        rows.append(run_stage_a(runner, family, variant))
+        _say(rows[-1])
+    save()
+    variant_of = {_label(v): v for _, v in variants_in_order(pilot)}
+    for family, task in stage_b_tasks(rows, model, pilot):
+        rows += run_stage_b(runner, family, variant_of[task])
+        save()
+    pair = choose_pair(rows, model, pilot)
+    print(f"{model}: window {pair[0]}, kernel {pair[1]}", file=sys.stderr, flush=True)
+    for family, task in in_band_tasks(rows, model, pilot):
+        rows += run_stage_cd(runner, family, variant_of[task], pair)
+        save()
+    return rows
+
+
+def _csv(rows: list[dict], columns: list[str]) -> str:
+    return "\n".join([",".join(columns)] + [",".join("" if r[c] is None else str(r[c]) for c in columns) for r in rows]) + "\n"
+
+
+def read_rows(paths: list[Path]) -> list[dict]:
+    """Pilot rows of amendment 4's CSV files, typed."""
+    import csv
+
+    rows = []
+    for path in paths:
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                for key in ("window", "kernel", "context_tokens", "n_items", "n_runs", "n_correct"):
+                    r[key] = int(r[key]) if r[key] not in ("", None) else None
+                for key in ("budget", "accuracy", "cpu_s_per_item"):
+                    r[key] = float(r[key])
+                r["curtailed"] = r["curtailed"] == "True"
+                rows.append(r)
+    return rows
+
+
+# --- amendment 2 ----------------------------------------------------------------------------------------------------
+
+
 def run_variant(model, tokenizer, variant, pilot: dict) -> dict:
+    import kvcert
+    from kvcert.data import is_correct, load_items, score_item
+    from kvcert.generation import eos_ids
+    from kvcert.prompts import model_limit
+    from kvcert.runner.cell import item_prompt
+
     n, threshold = int(pilot["n_items"]), float(pilot["threshold"])
     allowed_failures = n - math.ceil(threshold * n)
     cfg = {"name": "ruler", "tasks": [variant], "seed": int(pilot["items_seed"]),
@@ -64,15 +395,11 @@ def run_variant(model, tokenizer, variant, pilot: dict) -> dict:
             "cpu_s_per_item": round(cpu / run, 3), "prompt_tokens_mean": round(sum(tokens) / len(tokens), 1)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--amendment", type=Path, required=True)
-    parser.add_argument("--model", required=True, help="a bundled model name (smollm2, gemma3) or model spec")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--round", type=int, default=1, help="2: the variants of pilot.round_2")
-    args = parser.parse_args(argv)
-    pilot = yaml.safe_load(args.amendment.read_text())["pilot"]
+def pilot_amendment_2(args, pilot: dict) -> None:
+    import torch
+
+    import kvcert
+
     families = pilot["families"] if args.round == 1 else pilot[f"round_{args.round}"]["families"]
     torch.set_num_threads(args.threads)
     model, tokenizer = kvcert.load_model(args.model)
@@ -85,8 +412,61 @@ def main(argv: list[str] | None = None) -> int:
             print(", ".join(f"{k}={row[k]}" for k in COLUMNS), file=sys.stderr, flush=True)
             if row["passed"]:
                 break
-    lines = [",".join(COLUMNS)] + [",".join(str(r[c]) for c in COLUMNS) for r in rows]
-    write_text_atomic("\n".join(lines) + "\n", args.out)
+    write_text_atomic(_csv(rows, COLUMNS), args.out)
+
+
+# --- command line ---------------------------------------------------------------------------------------------------
+
+
+def smoke_pilot(pilot: dict) -> dict:
+    """The code path on almost nothing: 2 items, the first variant of the first family, every band wide open and
+    a 2 x 1 grid (proves the stages run; its numbers decide nothing)."""
+    family, variants = next(iter(pilot["families"].items()))
+    out = {**pilot, "n_items": 2, "n_items_compressed": 2, "families": {family: variants[:1]}}
+    out["stage_a"] = {**pilot["stage_a"], "band": [0.0, 1.0]}
+    out["stage_b"] = {**pilot["stage_b"], "windows": [8, 16], "kernels": [5]}
+    out["stage_c"] = {**pilot["stage_c"], "band": [0.0, None]}
+    out["stage_d"] = {**pilot["stage_d"], "band": [0.0, None]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["choose"]:
+        return choose_main(argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--amendment", type=Path, required=True)
+    parser.add_argument("--model", required=True, help="a bundled model name (smollm2, gemma3) or model spec")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--round", type=int, default=1, help="amendment 2 only; 2: the variants of pilot.round_2")
+    parser.add_argument("--smoke", action="store_true", help="amendment 4: 2 items of one variant, bands open")
+    args = parser.parse_args(argv)
+    pilot = yaml.safe_load(args.amendment.read_text())["pilot"]
+    if "stage_a" not in pilot:
+        pilot_amendment_2(args, pilot)
+        return 0
+    pilot_amendment_4(Runner(args.model, smoke_pilot(pilot) if args.smoke else pilot, args.threads), args.out)
+    return 0
+
+
+def choose_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="apply amendment 4's rules to its pilot rows")
+    parser.add_argument("--amendment", type=Path, required=True)
+    parser.add_argument("--pilot", type=Path, nargs="+", required=True, help="the per-model pilot CSV files")
+    parser.add_argument("--csv", type=Path, required=True, help="all rows, one file (the amendment's pilot.csv)")
+    parser.add_argument("--out", type=Path, required=True, help="the population (YAML)")
+    args = parser.parse_args(argv)
+    pilot = yaml.safe_load(args.amendment.read_text())["pilot"]
+    rows = read_rows(args.pilot)
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    missing = [m for m in pilot["models"] if m not in models]
+    if missing:
+        raise SystemExit(f"{', '.join(map(str, args.pilot))}: no rows of model(s) {', '.join(missing)}")
+    doc = {"rules": str(args.amendment), "items_seed": pilot["items_seed"], **population(rows, pilot, pilot["models"])}
+    write_text_atomic(_csv(rows, COLUMNS_4), args.csv)
+    write_text_atomic(yaml.safe_dump(doc, sort_keys=False, width=110), args.out)
+    print(yaml.safe_dump(doc, sort_keys=False, width=110), end="")
     return 0
 
 
