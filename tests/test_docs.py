@@ -438,3 +438,18 @@ def test_readme_states_verify_results_tolerance():
     spec.loader.exec_module(module)
     stated = re.search(r"every other number within ([\d.e+-]+) relative", " ".join(text(README).split()))
     assert stated and float(stated.group(1)) == module.RTOL
+
+
+def test_errors_page_lists_every_refusal_of_kvcert_calibrate():
+    """docs/errors.md's kvcert-calibrate table has a row for each case of tests/test_calibration_cli.py ({d},
+    {file} as the table writes them)."""
+    spec = importlib.util.spec_from_file_location("calibration_cli_cases", ROOT / "tests" / "test_calibration_cli.py")
+    cases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cases)
+    errors = text(DOCS / "errors.md")
+    section = errors[errors.index("#### `kvcert-calibrate`"):]
+    section = section[: section.index("\n#### ", 10)]
+    for case in cases.CALIBRATE_CASES:
+        assert case[2].format(d="<dir>") in section, case[0]
+    for case in cases.RUN_CASES:
+        assert case[3].format(d="<dir>", file="<file>") in section, case[0]
