@@ -19,10 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from scipy.stats import spearmanr
 
 from kvcert.atomic import atomic_output
-from kvcert.calibration import ROUNDING, calibrated_certificate, design_factor, fit_calibration, output_norm
+from kvcert.calibration import ROUNDING, calibrated_certificate, design_factor, fit_calibration, output_norm, spearman
 
 TARGET = 0.94  # the per-layer coverage the calibrated certificate should reach
 DELTA = 0.05
@@ -98,20 +97,20 @@ def summarize(steps: pd.DataFrame, certs: dict[str, np.ndarray], model: str) -> 
     for key, index in steps.groupby(KEYS).indices.items():
         layer = steps["layer"].to_numpy()[index]
         e, p = err[index], paper[index]
-        rho_paper = spearmanr(p, e).statistic
+        rho_paper = spearman(p, e)
         for name, cert in certs.items():
             c = cert[index]
             covered = (e <= c) | rounding[index]
             per_layer = pd.Series(covered).groupby(layer).mean()
-            within = [spearmanr(c[layer == l], e[layer == l]).statistic for l in np.unique(layer)
-                      if np.ptp(c[layer == l]) > 0 and np.ptp(e[layer == l]) > 0]
+            within = [rho for rho in (spearman(c[layer == l], e[layer == l]) for l in np.unique(layer))
+                      if not np.isnan(rho)]
             summary.append({
                 "model": model, **dict(zip(KEYS, key)), "method": name, "n_items": steps["item_id"].iloc[index].nunique(),
                 "n_rows": len(index), "coverage": covered.mean(), "worst_layer": int(per_layer.idxmin()),
                 "worst_layer_coverage": per_layer.min(), "layers_below_target": int((per_layer < TARGET).sum()),
                 "n_layers": len(per_layer), "rounding_rows": int(rounding[index].sum()),
                 "median_width_ratio": np.median(c) / np.median(p),
-                "spearman": spearmanr(c, e).statistic, "spearman_paper": rho_paper,
+                "spearman": spearman(c, e), "spearman_paper": rho_paper,
                 "spearman_within_layer_mean": float(np.mean(within)) if within else np.nan,
             })
             layers += [{"model": model, **dict(zip(KEYS, key)), "method": name, "layer": int(l), "coverage": v}
