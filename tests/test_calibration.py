@@ -1,5 +1,5 @@
 """``kvcert.calibration``: the conformal quantile's finite-sample guarantee, the design-based factor, the file
-(format, round trip, refusals), applying a calibration, the per-layer table and the model identity.
+(format, round trip, refusals), applying a calibration, Spearman's ρ, the per-layer table and the model identity.
 
 Statistical windows: each coverage test draws R independent calibration sets (seeded); the fraction of R new
 draws covered has standard error √(p(1 − p)/R), and the windows are p ± z·SE with z = 3.29 (a false alarm
