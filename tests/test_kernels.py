@@ -290,17 +290,20 @@ def test_a_pass_mixing_kernel_and_pytorch_layers_records_the_same(oracle, op, mo
     poisson = kvcert.select(state, "snapkv", "poisson", 0.3, seed=5)
     reference = kvcert.decode(model, state, poisson, max_new_tokens=5, certify=True, oracle=oracle)
 
-    mixed_passes = []
-    summarize = CertificateRecorder._summarize
+    handed = []
+    add = CertificateRecorder.add
 
-    def spy(self, steps):  # the kernel hands (b, kv_heads, rows, ·) tensors, the PyTorch path (b·kv_heads, rows, ·)
-        mixed_passes.append(len({s.out.ndim for s in steps}) == 2)
-        return summarize(self, steps)
+    def spy(self, layer, length, shape, out, *rest):  # the kernel hands (b, kv_heads, rows, dv), PyTorch (b·kv_heads, …)
+        handed.append((length, layer, out.ndim))
+        return add(self, layer, length, shape, out, *rest)
 
-    monkeypatch.setattr(CertificateRecorder, "_summarize", spy)
+    monkeypatch.setattr(CertificateRecorder, "add", spy)
     with interposed(mixed):
         result = kvcert.decode(model, state, poisson, max_new_tokens=5, certify=True, oracle=oracle)
-    assert mixed_passes and all(mixed_passes)  # every pass really mixed both kinds of layers
+    passes = {}
+    for length, layer, ndim in handed:
+        passes.setdefault(length, {})[layer] = ndim
+    assert passes and all(p == {0: 4, 1: 3} for p in passes.values())  # every pass really mixed both paths
     assert result.token_ids == reference.token_ids
     keys = ["step", "layer", "kv_head"]
     pd.testing.assert_frame_equal(result.steps[keys], reference.steps[keys])

@@ -43,30 +43,18 @@ class StepRecord:
 
 
 @dataclass
-class _PendingStep:
-    """One certified attention call, kept until its forward pass is complete: per query row only.
-
-    shape = (batch, kv_heads, group, m, dv). out, full_out: (batch·kv_heads, group·m, dv) or (batch, kv_heads,
-    group·m, dv); var: the same with width dv per coordinate (oracle mode) or 1, the trace; terms: (Σc, Σc²)
-    per query row, width 2.
-    """
+class _CallSummary:
+    """One certified attention call reduced to what its StepRecord keeps, per (batch, kv_head, query position):
+    trace_var, out_norm, true_err, wald_coverage (m,)-shaped, and terms (…, m, 2), the (Σc, Σc²) of the group's
+    query heads pooled. All (batch, kv_heads, m[, 2]) float32."""
 
     layer: int
     first_step: int
-    shape: tuple[int, ...]
-    out: torch.Tensor
-    var: torch.Tensor
+    trace_var: torch.Tensor
+    out_norm: torch.Tensor
     terms: torch.Tensor
-    full_out: torch.Tensor | None
-
-
-def _stack_rows(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
-    """Stack per-layer (batch·kv_heads, group·m, ·) or (batch, kv_heads, group·m, ·) tensors into
-    (L, batch·kv_heads, group·m, ·); shape = (L, batch, kv_heads, group, m, dv)."""
-    rows, width = shape[1] * shape[2], shape[3] * shape[4]
-    if all(t.shape == tensors[0].shape for t in tensors):
-        return torch.stack(tensors).reshape(len(tensors), rows, width, -1)
-    return torch.stack([t.reshape(rows, width, -1) for t in tensors])
+    true_err: torch.Tensor | None = None
+    wald_coverage: torch.Tensor | None = None
 
 
 class CertificateRecorder:
@@ -74,7 +62,9 @@ class CertificateRecorder:
 
     prefix_length: the logical length of the prefix (steps are counted from it); oracle: per-coordinate
     variance and true errors are recorded; path: which certified-attention implementation runs (``kernel`` is
-    the compiled op, or None for the PyTorch path).
+    the compiled op, or None for the PyTorch path). Each call is reduced when it is handed over, so what the
+    recorder holds is a few numbers per (row, KV head, query position) and layer, never a tensor per slot or
+    per value coordinate.
     """
 
     def __init__(self, prefix_length: int, *, oracle: bool, path: AttentionPath):
@@ -83,16 +73,34 @@ class CertificateRecorder:
         self.path = path
         self.kernel = path.op
         self._records: list[StepRecord] = []
-        self._pending: list[_PendingStep] = []
+        self._pending: list[_CallSummary] = []
 
     def add(self, layer: int, length: int, shape: tuple[int, ...], out: torch.Tensor, var: torch.Tensor,
             terms: torch.Tensor, full_out: torch.Tensor | None) -> None:
-        """Hand over one certified call on layer ``layer``, whose cache now holds ``length`` tokens (see
-        ``_PendingStep`` for the shapes)."""
+        """Hand over one certified call on layer ``layer``, whose cache now holds ``length`` tokens.
+
+        shape = (batch, kv_heads, group, m, dv); out, full_out: (batch·kv_heads, group·m, dv) or (batch, kv_heads,
+        group·m, dv); var: the same with width dv per coordinate (needed with the oracle) or 1, the trace; terms:
+        the same with width 2, (Σc, Σc²) per query row.
+        """
         if self._pending and layer <= self._pending[-1].layer:
             self._flush()
-        first_step = length - shape[3] - self.prefix_length
-        self._pending.append(_PendingStep(layer, first_step, shape, out, var, terms, full_out))
+        b, hk, group, m, dv = shape
+        reduce = (2, 4)  # the group's query heads and the value coordinates form one vector per KV head
+        out = out.reshape(shape)
+        var = var.reshape(b, hk, group, m, -1)
+        summary = _CallSummary(
+            layer=layer, first_step=length - m - self.prefix_length,
+            trace_var=var.sum(dim=reduce).float(),
+            out_norm=torch.linalg.vector_norm(out, dim=reduce).float(),
+            # the group's query heads pool their terms, as their outputs form one vector
+            terms=terms.reshape(b, hk, group, m, 2).sum(dim=2),
+        )
+        if full_out is not None:
+            err = out - full_out.to(out.dtype).reshape(shape)
+            summary.true_err = torch.linalg.vector_norm(err, dim=reduce).float()
+            summary.wald_coverage = (err.abs() <= WALD_Z * var.sqrt()).float().mean(dim=reduce)
+        self._pending.append(summary)
 
     @property
     def records(self) -> list[StepRecord]:
@@ -102,36 +110,22 @@ class CertificateRecorder:
         return self._records
 
     def _flush(self) -> None:
-        groups: dict[tuple, list[_PendingStep]] = {}
-        for step in self._pending:
-            groups.setdefault((step.first_step, step.shape, step.full_out is None), []).append(step)
-        self._records.extend(self._summarize(steps) for steps in groups.values())
+        groups: dict[tuple, list[_CallSummary]] = {}
+        for call in self._pending:
+            groups.setdefault((call.first_step, call.trace_var.shape, call.true_err is None), []).append(call)
+        self._records.extend(self._stack(calls) for calls in groups.values())
         self._pending = []
 
-    def _summarize(self, steps: list[_PendingStep]) -> StepRecord:
-        """The StepRecord of the calls of one pass (same first_step and shape), computed for all layers at once."""
-        shape = (len(steps), *steps[0].shape)  # (L, batch, kv_heads, group, m, dv)
-        layers = tuple(s.layer for s in steps)
-        out = _stack_rows([s.out for s in steps], shape)  # (L, batch·kv_heads, group·m, dv)
-        variances = [s.var for s in steps]
-        if len({v.shape[-1] for v in variances}) > 1:  # a pass mixing the kernel (per coordinate) and the trace
-            variances = [v.sum(-1, keepdim=True) for v in variances]
-        var = _stack_rows(variances, shape).reshape(*shape[:-1], -1)
-        terms = _stack_rows([s.terms for s in steps], shape)
-        out = out.reshape(shape)
-        reduce = (3, 5)  # the group's query heads and the value coordinates form one vector per KV head
+    @staticmethod
+    def _stack(calls: list[_CallSummary]) -> StepRecord:
+        """The StepRecord of the calls of one pass (same first step and shape): their summaries stacked."""
+        stack = lambda name: torch.stack([getattr(c, name) for c in calls])  # noqa: E731
         record = StepRecord(
-            layers=layers,
-            first_step=steps[0].first_step,
-            trace_var=var.sum(dim=reduce).float(),
-            out_norm=torch.linalg.vector_norm(out, dim=reduce).float(),
-            # the group's query heads pool their terms, as their outputs form one vector
-            tail_ess=effective_terms(terms.reshape(*shape[:-1], 2).sum(dim=3)).float(),
+            layers=tuple(c.layer for c in calls), first_step=calls[0].first_step, trace_var=stack("trace_var"),
+            out_norm=stack("out_norm"), tail_ess=effective_terms(stack("terms")).float(),
         )
-        if steps[0].full_out is not None:
-            err = out - torch.stack([s.full_out.to(out.dtype) for s in steps]).reshape(shape)
-            record.true_err = torch.linalg.vector_norm(err, dim=reduce).float()
-            record.wald_coverage = (err.abs() <= WALD_Z * var.sqrt()).float().mean(dim=reduce)
+        if calls[0].true_err is not None:
+            record.true_err, record.wald_coverage = stack("true_err"), stack("wald_coverage")
         return record
 
 

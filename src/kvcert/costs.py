@@ -9,10 +9,12 @@ the batch rows a cell decodes together and the dtype. They follow what ``kvcert-
 * the decode batches: one per budget (the full cache alone first), each row a configuration whose
   cache is physically compressed to ``budget × n`` slots (rows padded to the longest) with room for
   the tokens it will append;
-* the certificate's moments on the GPU path (bf16/fp16, or any dtype off the CPU): a float32 copy of
-  the sampled slots' values and the stacked moments [(v − μ)², v − μ, 1] (per coordinate when the oracle
-  runs, else [‖v − μ‖², v − μ, 1]), for every layer, row and KV head, and the float32 weights of the
-  sampled slots of every layer of a pass (large for the multi-token question pass of streaming);
+* the certificate: each certified call is reduced to a few float32 numbers per row, KV head and query
+  position (trace, output norm, term sums; true error and Wald coverage with the oracle) that the recorder
+  keeps for every layer until the pass ends; everything per slot lives inside the one attention call that
+  computes it (on the PyTorch path a float32 cast of one layer's keys and values where the model's dtype is
+  narrower, the weights of the call's query rows and the centred sampled values: counted with that call's
+  transients, never summed over layers);
 * the oracle: the prefill's cache is kept (it is already counted) and every pass attends to it too;
   a multi-token pass (the question, in the streaming setting) materializes float32 logits, mask and
   weights of shape (rows, query heads, tokens, n), one layer at a time;
@@ -156,35 +158,31 @@ def prefill_transient_bytes(arch: Architecture, n: int, dtype: str, plan: CellPl
 def batch_bytes(arch: Architecture, prompt: Prompt, batch: Batch, dtype: str, plan: CellPlan) -> dict[str, int]:
     """Memory a decode batch adds to the weights and the prefill's cache at its peak, by component.
 
-    The peak is the larger of two moments of its first pass (m = the suffix tokens, or 1): during the pass,
-    the sampled slots' weights of the layers done so far are held while one layer's attention (and the
-    oracle's, over the full prefix) has its float32 logits, mask and weights alive; when the pass ends,
-    those weights are stacked once more beside the first computation of the moments (whose float32 values
-    copy is then freed while the moments stay for the later passes).
+    The peak is during its first pass (m = the suffix tokens, or 1): the certificate summaries of the layers
+    done so far are held while one layer's attention (and the oracle's, over the full prefix) has its float32
+    logits, mask and weights alive, and, on the PyTorch path, the call's float32 keys and values and its
+    centred sampled values.
     """
     reserve = prompt.suffix + prompt.new_tokens
     slots = retained_slots(prompt.n, batch.budget) + reserve
     cache = batch.rows * slots * slot_bytes(arch, dtype)
     m = max(prompt.suffix, 1)
     compressed = batch.budget < 1.0
-    pending = moments = values = 0
-    if plan.certify and compressed and not plan.kernel_path:
-        t = sampled_slots(prompt.n, batch.budget, plan)
-        width = (2 * arch.head_dim + 1) if plan.oracle else (arch.head_dim + 2)
-        moments = arch.layers * batch.rows * arch.kv_heads * t * width * 4
-        values = arch.layers * batch.rows * arch.kv_heads * t * arch.head_dim * 4
-        pending = arch.layers * batch.rows * arch.heads * m * t * 4  # (layers, rows, query heads, m, t)
-    oracle = 3 * batch.rows * arch.heads * m * (prompt.n + reserve) * 4 if plan.oracle and compressed else 0
+    certificate = 0
     attention = 3 * batch.rows * arch.heads * m * slots * 4
+    if plan.certify and compressed:
+        per_position = 5 if plan.oracle else 3  # trace, norm and 2 term sums (+ true error, Wald coverage) …
+        certificate = arch.layers * batch.rows * arch.kv_heads * m * (per_position + 1) * 4  # … stacked at the end
+        if not plan.kernel_path:  # inside one call: keys and values cast to float32, centred sampled values
+            t = sampled_slots(prompt.n, batch.budget, plan)
+            cast = 2 * slots if DTYPE_BYTES[dtype] < 4 else 0
+            attention += batch.rows * arch.kv_heads * (cast + t) * arch.head_dim * 4
+    oracle = 3 * batch.rows * arch.heads * m * (prompt.n + reserve) * 4 if plan.oracle and compressed else 0
     activations = batch.rows * m * (3 * arch.intermediate + 4 * arch.hidden) * DTYPE_BYTES[dtype]
     logits = batch.rows * arch.vocab * 4 * 2
-    during = pending + max(oracle, attention, activations)
-    after = 2 * pending + values + moments
-    if during >= after:
-        parts = {"certificate_moments": pending, "oracle_transients": oracle if oracle >= attention else 0,
-                 "decode_transients": max(attention, activations) if attention > oracle else 0}
-    else:
-        parts = {"certificate_moments": after, "oracle_transients": 0, "decode_transients": 0}
+    parts = {"certificate_moments": certificate,
+             "oracle_transients": oracle if oracle >= max(attention, activations) else 0,
+             "decode_transients": max(attention, activations) if max(attention, activations) > oracle else 0}
     parts["decode_transients"] += logits
     return {"batch_cache": cache, **parts}
 
@@ -230,10 +228,11 @@ def decode_pass_cost(arch: Architecture, prompt: Prompt, batch: Batch, m: int, s
         flops += batch.rows * m * 2.0 * 2 * arch.layers * arch.heads * arch.head_dim * (prompt.n + step + m)
         moved += (prompt.n + step + m) * kv * b
     if plan.certify and batch.budget < 1.0 and not plan.kernel_path:
+        # the variance's two matmuls over the sampled slots (Σc(v − μ), Σc(v − μ)²) and the centring, per call
         t = sampled_slots(prompt.n, batch.budget, plan)
-        width = (2 * arch.head_dim + 1) if plan.oracle else (arch.head_dim + 2)
+        width = 2 * arch.head_dim if plan.oracle else arch.head_dim + 1
         flops += batch.rows * m * 2.0 * arch.layers * arch.heads * t * width
-        moved += arch.layers * batch.rows * arch.kv_heads * t * width * 4
+        moved += arch.layers * batch.rows * arch.kv_heads * t * arch.head_dim * 4 * 2
     return flops, moved
 
 
