@@ -1,19 +1,184 @@
-"""The method's default knobs, written once. The library's signatures and the Hydra configs
-(``conf/run.yaml`` reads them through the ``${kvcert_default:NAME}`` resolver) both take them from here.
-Imports nothing; see docs/GLOSSARY.md for what each knob means."""
+"""The run configuration's schema: every knob of a cell with its type, default, bounds and meaning, written once.
 
-N_SINK = 4  # attention sinks: the first tokens, always kept (π = 1)
-N_RECENT = 32  # recent window: the last prefix tokens, always kept (π = 1)
-HEAD_FRACTION = 0.5  # share of the budget beyond sinks + recent window kept with certainty by score
-PI_MIN = 1e-3  # floor of a sampled token's inclusion probability
-OBSERVATION_WINDOW = 16  # last prompt tokens whose queries score the cache (SnapKV, TOVA)
-DELTA = 0.05  # certificate level: √(tr V̂/δ) bounds the error with probability ≥ 1 − δ (Chebyshev)
+``RunConfig`` is the Hydra structured config of ``kvcert-run`` (``CalibrateConfig`` of ``kvcert-calibrate``):
+kvcert.hydra_app registers both, so the YAML defaults, the command line's types and ``--help`` come from
+here; kvcert.runner.config checks a config against the bounds and the names each field's metadata gives; a
+cell's identity is the fields marked ``identity``; the calibration's design knobs are the fields marked
+``design_knob``; the library's signatures take their defaults from ``RUN`` and ``DESIGN`` (e.g.
+``RUN.delta``, ``RUN.observation_window``, ``DESIGN.n_sink``). Plain Python: imports nothing from kvcert,
+needs no Hydra. See docs/GLOSSARY.md for what each knob means.
+"""
 
-BY_NAME = {
-    "n_sink": N_SINK,
-    "n_recent": N_RECENT,
-    "head_fraction": HEAD_FRACTION,
-    "pi_min": PI_MIN,
-    "observation_window": OBSERVATION_WINDOW,
-    "delta": DELTA,
-}
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+MISSING = "???"  # OmegaConf's marker of a value the command line must give
+
+
+def knob(default: Any, help: str, **check: Any) -> Any:  # noqa: A002 - the word the --help text is about
+    """A field with its ``--help`` line and what the validation checks (``check``):
+
+    low, high, low_open: numeric bounds (``lie_in``: say "must lie in (low, high]" instead of two lines);
+    known: the field takes names of a registry (kvcert.runner.config.KNOWN holds them);
+    identity: False for a knob that does not change what a cell computes;
+    design_knob: the calibration factors depend on it (a calibration file records it).
+    """
+    metadata = {"help": help, **check}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=type(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class DesignKnobs:
+    """``design_options``: the certainty head and the probability floor (kvcert.designs.DesignOptions)."""
+
+    n_sink: int = knob(4, "attention sinks: the first tokens, always kept (pi = 1)", low=0, design_knob=True)
+    n_recent: int = knob(32, "recent window: the last prefix tokens, always kept (pi = 1)", low=1, design_knob=True)
+    head_fraction: float = knob(0.5, "share of the budget beyond sinks + recent window kept with certainty by score",
+                                low=0, high=1, lie_in=True, design_knob=True)
+    pi_min: float = knob(1e-3, "floor of a sampled token's inclusion probability", low=0, high=1, low_open=True,
+                         lie_in=True, design_knob=True)
+
+
+@dataclass
+class GridKnobs:
+    """One entry of ``extra_grids``: policy x design x budget x seed on the cell's prefill (seeds: the cell's)."""
+
+    policies: list[str] = knob([], "scoring policies", known=True)
+    designs: list[str] = knob([], "designs", known=True)
+    budgets: list[float] = knob([], "retained fractions of the prefix", low=0, high=1, low_open=True)
+    seeds: Optional[list[int]] = knob(None, "Poisson draws; null: the cell's seeds")
+
+
+@dataclass
+class RunConfig:
+    """``kvcert-run``: one experimental cell (a model, a shard of a workload, a setting, every configuration).
+
+    The field order is the order of the keys in a cell's config.yaml.
+    """
+
+    # Hydra's defaults list: the option of each config group (configs/data/, configs/model/) unless overridden.
+    defaults: list[Any] = knob([{"data": "ruler"}, {"model": "smollm2"}, "_self_"], "config groups", identity=False)
+    # The groups' keys are checked by their own loaders (kvcert.data, kvcert.models).
+    data: dict[str, Any] = knob({}, "the workload: a file of configs/data/ (data=ruler|longbench|jsonl) and its keys")
+    model: dict[str, Any] = knob({}, "the model: a file of configs/model/ (model=smollm2|gemma3|hf|gguf) and its keys")
+    policies: list[str] = knob(["snapkv"], 'scoring policies (kvcert.POLICIES); "full" is always run as the reference',
+                               known=True)
+    designs: list[str] = knob(["topk", "poisson"], "topk (deterministic) | poisson (certain head + Poisson tail + "
+                              "Hajek offset)", known=True)
+    budgets: list[float] = knob([0.25, 0.5], "retained fraction of the prefix, each in (0, 1]", low=0, high=1,
+                                low_open=True)
+    seeds: list[int] = knob([0], "Poisson draws only; deterministic designs run once (seed 0)")
+    # Entries stay untyped here (checked as GridKnobs): a typed entry would gain `seeds: null` in config.yaml.
+    extra_grids: list[Any] = knob([], "more grids on the same prefill, e.g. [{policies: [uniform], designs: "
+                                  "[poisson], budgets: [0.25]}]")
+    setting: str = knob("question_aware", "question_aware | streaming", known=True)
+    n_items: int = knob(20, "items of the workload before sharding", low=1)
+    shard: int = knob(0, "this cell's shard index, 0 <= shard < n_shards", low=0)
+    n_shards: int = knob(1, "shards of the workload", low=1)
+    shard_by: str = knob("item", "item: every n_shards-th item | task: every n_shards-th item of each task (keeps "
+                         "the mix of tasks)", known=True)
+    oracle: bool = knob(True, "keep the full cache beside and measure the true error")
+    certify: bool = knob(True, "compute certificates (serving mode: certify=true oracle=false)")
+    store_steps: bool = knob(True, "write one steps.parquet row per step x layer x KV head (false: item summaries only)")
+    calibration: Optional[str] = knob(None, 'a calibration file (kvcert-calibrate) or "design": adds cert_calibrated '
+                                      "(+ coverage_calibrated)")
+    check_calibration_prompts: bool = knob(True, "refuse a run whose prompts were calibrated on, or hold a task the "
+                                           "file never saw", identity=False)
+    delta: float = knob(0.05, "certificate level: sqrt(trV / delta) bounds the error w.p. >= 1 - delta (Chebyshev)",
+                        low=0.0, high=0.999, low_open=True, design_knob=True)
+    # Any, not Optional[dict]: OmegaConf cannot merge a mapping from the command line into a typed null.
+    policy_options: Any = knob(None, "per policy, its dataclass options, e.g. {snapkv: {kernel_size: 7, pooling: max}}",
+                               design_knob=True)
+    observation_window: int = knob(16, "last prompt tokens whose queries score the cache (snapkv, tova)", low=1,
+                                   design_knob=True)
+    design_options: DesignKnobs = knob(DesignKnobs(), "the certainty head and the probability floor (docs/GLOSSARY.md)")
+    max_context_tokens: Optional[int] = knob(None, "prompt limit in tokens; null: the model's max_position_embeddings",
+                                             low=8)
+    truncate: str = knob("middle", "middle: cut the middle of the context to fit | error: refuse", known=True)
+    threads: Optional[int] = knob(None, "torch CPU threads; null: torch's default", low=1, identity=False)
+    progress: bool = knob(True, "progress bar with ETA on stderr", identity=False)
+    out_dir: str = knob(MISSING, "where items.parquet, steps.parquet, config.yaml, manifest.json go",
+                                  identity=False)
+
+
+@dataclass
+class CalibrateConfig(RunConfig):
+    """``kvcert-calibrate``: every kvcert-run key (the cell whose prompts it calibrates on) plus the fit's own."""
+
+    out_dir: Optional[str] = knob(None, "keep the calibration cell's tables here (a rerun resumes it); null: a "
+                                  "temporary folder, removed", identity=False)
+    out: str = knob(MISSING, "the calibration file to write (JSON)", identity=False)
+    level: Optional[float] = knob(None, "per-layer coverage the factors aim at; null: 1 - delta/5 "
+                                  "(docs/CALIBRATION-LEVEL.md: why)", low=0.0, high=1.0, low_open=True)
+    unit: str = knob("row", "what the conformal quantile treats as exchangeable: row | prompt (strict; needs >= "
+                     "level/(1-level) prompts)", known=True)
+    base: str = knob("paper", "the certificate the factor scales: paper (sqrt(trV/delta)) | design (its "
+                     "design-based inflation)", known=True)
+    relative_term: bool = knob(True, "per layer, add tau*||o_hat|| to the base where that narrows the certificate "
+                               "(docs/METHOD.md §7)")
+    never_below_paper: bool = knob(True, "the calibrated certificate is at least sqrt(trV/delta) on every row: it "
+                                   "widens, never narrows")
+    cells: Optional[list[str]] = knob(None, "fit from these oracle cell directories instead of running one")
+
+
+RUN = RunConfig()
+DESIGN = DesignKnobs()
+CALIBRATE_KEYS = tuple(f.name for f in dataclasses.fields(CalibrateConfig) if f.name not in RUN.__dataclass_fields__)
+# Keys that change what a cell computes (a resumed cell must match them); the rest (out_dir, progress, threads) do not.
+IDENTITY_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("identity", True))
+KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "defaults")
+# The knobs that decide pi and the certificate, so a calibration's factors: design_options' flattened.
+DESIGN_KNOBS = tuple(
+    f.name for f in (*dataclasses.fields(DesignKnobs), *dataclasses.fields(RunConfig)) if f.metadata.get("design_knob")
+)
+
+# Aliases of the library's signatures (kvcert.sampling, kvcert.designs, kvcert.estimator, kvcert.calibration).
+N_SINK = DESIGN.n_sink
+N_RECENT = DESIGN.n_recent
+HEAD_FRACTION = DESIGN.head_fraction
+PI_MIN = DESIGN.pi_min
+OBSERVATION_WINDOW = RUN.observation_window
+DELTA = RUN.delta
+
+
+def yaml_lines(schema: type = RunConfig, indent: str = "") -> list[str]:
+    """The schema's defaults as commented YAML (what ``--help`` prints)."""
+    lines = []
+    for f in dataclasses.fields(schema):
+        if f.name == "defaults":
+            groups = ", ".join(f"{k}={v}" for entry in f.default_factory() if isinstance(entry, dict) for k, v in entry.items())
+            lines.append(f"{indent}# config groups: {groups} unless overridden")
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            lines.append(f"{indent}{f.name}:  # {f.metadata['help']}")
+            lines.extend(yaml_lines(type(default), indent + "  "))
+            continue
+        lines.append(f"{indent}{f.name}: {_yaml(default)}  # {f.metadata['help']}")
+    return lines
+
+
+def _yaml(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "[" + ", ".join(_yaml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+__all__ = [
+    "CALIBRATE_KEYS", "DELTA", "DESIGN", "DESIGN_KNOBS", "HEAD_FRACTION", "IDENTITY_KEYS", "KEYS", "MISSING", "N_RECENT",
+    "N_SINK", "OBSERVATION_WINDOW", "PI_MIN", "RUN", "CalibrateConfig", "DesignKnobs", "GridKnobs", "RunConfig",
+    "knob", "yaml_lines",
+]

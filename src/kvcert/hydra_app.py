@@ -1,7 +1,9 @@
 """What every kvcert command-line app shares: composing a Hydra config from the package's ``conf/``
 (``configs/`` at the repository root) with the compose API, and turning every Hydra/OmegaConf failure
-into one line that names the key at fault (with a did-you-mean hint). ``--help`` prints the app's config
-file; ``--cfg`` prints the composed, resolved config. Imports only ``kvcert.errors`` and ``kvcert.defaults``.
+into one line that names the key at fault (with a did-you-mean hint). The run and calibrate configs are
+the structured configs of ``kvcert.defaults`` (registered in Hydra's ConfigStore as ``run_schema`` and
+``calibrate_schema``); ``--help`` prints their keys with defaults and meaning, other apps' config file;
+``--cfg`` prints the composed, resolved config. Imports only ``kvcert.errors`` and ``kvcert.defaults``.
 """
 
 from __future__ import annotations
@@ -10,26 +12,40 @@ import difflib
 import re
 from pathlib import Path
 
-from .defaults import BY_NAME as DEFAULTS
+from .defaults import CalibrateConfig, RunConfig, yaml_lines
 from .errors import UsageError
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-RESOLVER = "kvcert_default"
+# The structured config of each app's primary config (``conf/<name>.yaml`` lists it first in its defaults).
+SCHEMAS = {"run": RunConfig, "calibrate": CalibrateConfig}
 # Keys that were renamed: an old name gets a line saying so instead of a plain "unknown key".
 RENAMED = {"window": "observation_window"}
 
 
-def _register_resolver() -> None:
+def _register_schemas(typed: bool = True) -> None:
+    """``run_schema`` and ``calibrate_schema`` in Hydra's ConfigStore; ``typed=False`` stores the same keys and
+    defaults without their types, so that a value of the wrong type reaches the validation (which names the
+    key and value in its own words) instead of failing the composition."""
+    import dataclasses
+
+    from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
-    if not OmegaConf.has_resolver(RESOLVER):
-        OmegaConf.register_new_resolver(RESOLVER, _default)
+    store = ConfigStore.instance()
+    for name, schema in SCHEMAS.items():
+        node = schema if typed else OmegaConf.to_container(OmegaConf.create(dataclasses.asdict(schema())))
+        store.store(name=f"{name}_schema", node=node)
 
 
-def _default(name: str):
-    if name not in DEFAULTS:
-        raise UsageError(f"${{{RESOLVER}:{name}}}: no such default; known: {', '.join(sorted(DEFAULTS))}")
-    return DEFAULTS[name]
+def _primary_keys(conf_dir: Path, config_name: str) -> dict:
+    """The primary config's keys (and nested mappings): its schema's, or its YAML file's."""
+    import dataclasses
+
+    import yaml
+
+    if conf_dir == CONF_DIR and config_name in SCHEMAS:
+        return dataclasses.asdict(SCHEMAS[config_name]())
+    return yaml.safe_load((conf_dir / f"{config_name}.yaml").read_text()) or {}
 
 
 def known_keys(conf_dir: Path, config_name: str) -> list[str]:
@@ -44,7 +60,7 @@ def known_keys(conf_dir: Path, config_name: str) -> list[str]:
             if isinstance(value, dict):
                 yield from walk(value, f"{prefix}{key}.")
 
-    keys = set(walk(yaml.safe_load((conf_dir / f"{config_name}.yaml").read_text()), ""))
+    keys = set(walk(_primary_keys(conf_dir, config_name), ""))
     for group in conf_dir.iterdir():
         if group.is_dir():
             keys.add(group.name)
@@ -85,23 +101,32 @@ def compose(overrides: list[str], config_name: str = "run", conf_dir: Path = CON
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-    _register_resolver()
-    GlobalHydra.instance().clear()
-    try:
+    def attempt():
+        GlobalHydra.instance().clear()
         with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
             return hydra_compose(config_name=config_name, overrides=overrides)
+
+    _register_schemas()
+    try:
+        try:
+            return attempt()
+        except HydraException as err:
+            if not isinstance(err.__cause__, ValidationError):
+                raise
+            _register_schemas(typed=False)  # the validation will name the key and the value
+            try:
+                return attempt()
+            finally:
+                _register_schemas()
     except (HydraException, OmegaConfBaseException) as err:
         raise UsageError(explain_hydra_error(str(err), conf_dir, config_name)) from None
 
 
 def check_top_level_keys(cfg, conf_dir: Path = CONF_DIR, config_name: str = "run", groups=("data", "model")) -> None:
     """Reject keys added with ``+key=...`` that the app does not read (they would be silently ignored)."""
-    import yaml
-
-    base = yaml.safe_load((conf_dir / f"{config_name}.yaml").read_text()) or {}
-    known = (set(base) - {"defaults"}) | set(groups)
+    known = (set(_primary_keys(conf_dir, config_name)) - {"defaults"}) | set(groups)
     for key in cfg:
         if key not in known:
             raise UsageError(f"{key}: unknown key{did_you_mean(str(key), sorted(known))}; `--help` lists the keys")
@@ -136,7 +161,10 @@ def compose_or_show(argv: list[str], doc: str, config_name: str = "run", conf_di
     """Handle ``--help`` and ``--cfg`` (print and return None), else return the composed config."""
     if "-h" in argv or "--help" in argv:
         print(doc)
-        print((conf_dir / f"{config_name}.yaml").read_text())
+        if conf_dir == CONF_DIR and config_name in SCHEMAS:
+            print("\n".join(yaml_lines(SCHEMAS[config_name])))
+        else:
+            print((conf_dir / f"{config_name}.yaml").read_text())
         return None
     cfg = compose([a for a in argv if a != "--cfg"], config_name=config_name, conf_dir=conf_dir)
     if "--cfg" in argv:
@@ -151,6 +179,6 @@ def compose_or_show(argv: list[str], doc: str, config_name: str = "run", conf_di
 
 
 __all__ = [
-    "CONF_DIR", "UsageError", "check_top_level_keys", "compose", "compose_or_show", "did_you_mean",
+    "CONF_DIR", "SCHEMAS", "UsageError", "check_top_level_keys", "compose", "compose_or_show", "did_you_mean",
     "explain_hydra_error", "known_keys", "missing_keys", "one_line",
 ]

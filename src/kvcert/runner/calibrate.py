@@ -24,26 +24,14 @@ from pathlib import Path
 from ..atomic import unwritable_reason
 from ..calibration import (BASES, UNITS, Calibration, default_level, design_knobs, fit_calibration, knob_label,
                            model_identity, needed_prompts)
+from ..defaults import CALIBRATE_KEYS
 from ..errors import ConfigError, UsageError
-from ..hydra_app import CONF_DIR, compose_or_show, did_you_mean, missing_keys, one_line
+from ..hydra_app import check_top_level_keys, compose_or_show, missing_keys, one_line
 from ..models import ModelSpec, load_model, model_fingerprint
 from ..provenance import code_fingerprint
 
 APP = "kvcert-calibrate"
-_OWN_KEYS = ("out", "level", "unit", "base", "relative_term", "never_below_paper", "cells")
-
-
-def _check_keys(cfg) -> None:
-    """Only keys of run.yaml, calibrate.yaml and the config groups (``+key=`` would be silently ignored)."""
-    import yaml
-
-    known = set()
-    for name in ("run", "calibrate"):
-        known |= set(yaml.safe_load((CONF_DIR / f"{name}.yaml").read_text()) or {}) - {"defaults"}
-    known |= {"data", "model"}
-    for key in cfg:
-        if key not in known:
-            raise UsageError(f"{key}: unknown key{did_you_mean(str(key), sorted(known))}; `--help` lists the keys")
+_OWN_KEYS = CALIBRATE_KEYS  # the fit's own keys, beside the run's
 
 
 def _options(cfg) -> dict:
@@ -184,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_or_show(argv, __doc__, config_name="calibrate")
         if cfg is None:
             return 0
-        _check_keys(cfg)
+        check_top_level_keys(cfg, config_name="calibrate")
         missing = [k for k in missing_keys(cfg) if k != "out_dir"]
         if missing:
             raise UsageError(f"missing value for {', '.join(missing)} (set it on the command line, e.g. {missing[0]}=...)")

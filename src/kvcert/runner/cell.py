@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from ..atomic import unwritable_reason, write_parquet_atomic, write_text_atomic
 from ..calibration import Calibration, apply_calibration, calibration_summary, prepare_calibration
 from ..data import Item, is_correct, load_items, score_item, shard_items
+from ..defaults import IDENTITY_KEYS
 from ..errors import ConfigError
 from ..generation import FULL, Prefill, decode_batch, eos_ids, item_seed, prefill, select
 from ..kernels import attention_path
@@ -36,12 +37,6 @@ from .manifest import build_manifest
 from .tables import ITEM_COLUMNS, empty_step_table, logprob_summary, summarize_steps, tag_steps
 
 PARTS = ".parts"
-# Keys that change what a cell computes; the rest (out_dir, progress, threads) do not.
-_IDENTITY_KEYS = (
-    "data", "model", "policies", "designs", "budgets", "seeds", "extra_grids", "setting", "n_items", "shard", "n_shards",
-    "oracle", "certify", "delta", "observation_window", "design_options", "max_context_tokens", "truncate",
-    "store_steps", "policy_options", "calibration", "shard_by",
-)
 
 
 def item_prompt(tokenizer, item: Item, setting: str, limit: int, truncate: str) -> PromptIds:
@@ -59,7 +54,7 @@ def _identity(cfg: Mapping[str, Any], items: list[Item], fingerprint: str) -> di
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
-    config = {k: plain.get(k) for k in _IDENTITY_KEYS}
+    config = {k: plain.get(k) for k in IDENTITY_KEYS}  # the schema's knobs that change what a cell computes
     calibration = config.get("calibration")
     if calibration is not None and Path(str(calibration)).is_file():  # its content, not just its name
         config["calibration"] = {"path": str(calibration), "sha256": sha256_file(calibration)}

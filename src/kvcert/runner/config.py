@@ -1,11 +1,15 @@
-"""Validation of a cell's configuration: every bad key gets one line naming it."""
+"""Validation of a cell's configuration against its schema (``kvcert.defaults.RunConfig``): every bad key gets
+one line naming the key and the value. What each field takes (its type, bounds, registry) is read from the
+schema; this module knows only the registries' contents and the checks no type can state."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .. import defaults as schema
 from ..calibration import load_calibration
 from ..data import SHARD_BY
 from ..designs import DESIGNS, DesignOptions
@@ -14,6 +18,9 @@ from ..generation import FULL
 from ..policies import POLICIES
 from ..policies.base import renamed_hint
 from ..prompts import SETTINGS, TRUNCATE
+
+# The names a ``known`` field of the schema takes.
+KNOWN = {"policies": POLICIES, "designs": DESIGNS, "setting": SETTINGS, "shard_by": SHARD_BY, "truncate": TRUNCATE}
 
 
 @dataclass(frozen=True)
@@ -30,31 +37,14 @@ class Configuration:
         return self.policy == FULL
 
 
-@dataclass(frozen=True)
-class CellConfig:
-    """The validated knobs of one cell (see configs/run.yaml for their meaning)."""
+@dataclass
+class CellConfig(schema.RunConfig):
+    """A checked ``RunConfig``: lists are tuples, ``extra_grids`` are ``Grid``s, ``calibration`` is None, "design"
+    or a loaded kvcert.calibration.Calibration (checked against the model later)."""
 
-    policies: tuple[str, ...]
-    designs: tuple[str, ...]
-    budgets: tuple[float, ...]
-    seeds: tuple[int, ...]
-    setting: str
-    n_items: int
-    shard: int
-    n_shards: int
-    oracle: bool
-    certify: bool
-    delta: float
-    observation_window: int
-    options: DesignOptions
-    max_context_tokens: int | None
-    truncate: str
-    extra_grids: tuple[Grid, ...] = ()
-    store_steps: bool = True
-    policy_options: dict = field(default_factory=dict)
-    calibration: object = None  # None, "design", or a kvcert.calibration.Calibration (checked against the model later)
-    shard_by: str = "item"  # kvcert.data.shard_items: "item" or "task"
-    check_calibration_prompts: bool = True  # refuse calibration prompts and unseen tasks among a run's prompts
+    @property
+    def options(self) -> DesignOptions:
+        return DesignOptions(**dataclasses.asdict(self.design_options))
 
     @property
     def grids(self) -> tuple[Grid, ...]:
@@ -105,7 +95,7 @@ def _names(cfg: Mapping[str, Any], key: str, known, prefix: str = "") -> tuple[s
     return tuple(str(v) for v in values)
 
 
-def _number(cfg, key, kind, low=None, high=None, low_open=False, label=None):
+def _number(cfg, key, kind, low=None, high=None, low_open=False, label=None, lie_in=False):
     value = cfg.get(key)
     label = label or key
     try:
@@ -118,39 +108,49 @@ def _number(cfg, key, kind, low=None, high=None, low_open=False, label=None):
         raise ConfigError(f"{label}={cfg.get(key)!r}: expected {kind.__name__}") from None
     if value != value:  # nan
         raise ConfigError(f"{label}={value}: expected a number")
-    if low is not None and (value <= low if low_open else value < low):
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if lie_in and (too_low or too_high):
+        raise ConfigError(f"{label}={value}: must lie in {_interval(low, high, low_open)}")
+    if too_low:
         raise ConfigError(f"{label}={value}: must be {'>' if low_open else '>='} {low}")
-    if high is not None and value > high:
+    if too_high:
         raise ConfigError(f"{label}={value}: must be <= {high}")
     return value
 
 
-def _budgets(cfg: Mapping[str, Any], key: str) -> tuple[float, ...]:
-    budgets = cfg.get("budgets")
-    if budgets is None or isinstance(budgets, (str, int, float)) or len(budgets) == 0:
-        raise ConfigError(f"{key}={budgets!r}: expected a non-empty list of fractions in (0, 1], e.g. '{key}=[0.25,0.5]'")
+def _interval(low, high, low_open) -> str:
+    return f"{'(' if low_open else '['}{low}, {high}]"
+
+
+def _fractions(cfg: Mapping[str, Any], key: str, label: str, bounds: Mapping) -> tuple[float, ...]:
+    values = cfg.get(key)
+    interval = _interval(bounds["low"], bounds["high"], bounds["low_open"])
+    if values is None or isinstance(values, (str, int, float)) or len(values) == 0:
+        raise ConfigError(f"{label}={values!r}: expected a non-empty list of fractions in {interval}, "
+                          f"e.g. '{label}=[0.25,0.5]'")
     checked = []
-    for b in budgets:
+    for b in values:
         try:
             if isinstance(b, bool):
                 raise TypeError
             b = float(b)
         except (TypeError, ValueError):
-            raise ConfigError(f"{key}: {b!r} is not a number") from None
-        if not 0.0 < b <= 1.0:  # also rejects nan
-            raise ConfigError(f"{key}: {b} is outside (0, 1]")
+            raise ConfigError(f"{label}: {b!r} is not a number") from None
+        if not bounds["low"] < b <= bounds["high"]:  # also rejects nan
+            raise ConfigError(f"{label}: {b} is outside {interval}")
         checked.append(b)
     return tuple(checked)
 
 
-def _seeds(cfg: Mapping[str, Any], key: str) -> tuple[int, ...]:
-    seeds = cfg.get("seeds")
-    if seeds is None or isinstance(seeds, (str, int, float)) or len(seeds) == 0:
-        raise ConfigError(f"{key}={seeds!r}: expected a non-empty list of integers, e.g. '{key}=[0,1]'")
-    for s in seeds:
+def _integers(cfg: Mapping[str, Any], key: str, label: str) -> tuple[int, ...]:
+    values = cfg.get(key)
+    if values is None or isinstance(values, (str, int, float)) or len(values) == 0:
+        raise ConfigError(f"{label}={values!r}: expected a non-empty list of integers, e.g. '{label}=[0,1]'")
+    for s in values:
         if isinstance(s, bool) or not isinstance(s, int):
-            raise ConfigError(f"{key}: {s!r} is not an integer")
-    return tuple(int(s) for s in seeds)
+            raise ConfigError(f"{label}: {s!r} is not an integer")
+    return tuple(int(s) for s in values)
 
 
 def _flag(cfg: Mapping[str, Any], key: str, default: bool = False) -> bool:
@@ -160,18 +160,52 @@ def _flag(cfg: Mapping[str, Any], key: str, default: bool = False) -> bool:
     return value
 
 
-def _design_options(cfg: Mapping[str, Any]) -> DesignOptions:
-    opts = cfg.get("design_options") or {}
-    if not isinstance(opts, Mapping):
-        raise ConfigError(f"design_options={opts!r}: expected a mapping of {sorted(DesignOptions.__dataclass_fields__)}")
-    unknown = set(opts) - set(DesignOptions.__dataclass_fields__)
+def _hints(schema_type: type) -> dict[str, Any]:
+    return typing.get_type_hints(schema_type, vars(schema))
+
+
+def _check(f: dataclasses.Field, kind: Any, cfg: Mapping[str, Any], label: str) -> Any:
+    """One field of the schema: ``kind`` is its type, ``f.metadata`` its bounds and registry."""
+    key, meta = f.name, f.metadata
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is typing.Union and type(None) in args:  # Optional[X]
+        if cfg.get(key) is None:
+            return None
+        kind = next(a for a in args if a is not type(None))
+        args = typing.get_args(kind)
+    bounds = {"low": meta.get("low"), "high": meta.get("high"), "low_open": meta.get("low_open", False)}
+    if kind is bool:
+        return _flag(cfg, key, f.default)
+    if kind in (int, float):
+        return _number(cfg, key, kind, label=label, lie_in=meta.get("lie_in", False), **bounds)
+    if meta.get("known") and kind is str:
+        value = cfg.get(key)
+        known = KNOWN[key]
+        if value not in known:
+            raise ConfigError(f"{label}={value!r} is unknown; known: {list(known)}")
+        return value
+    if meta.get("known"):
+        return _names(cfg, key, set(KNOWN[key]), label.rpartition(".")[0] if "." in label else "")
+    if typing.get_origin(kind) is list and args == (float,):
+        return _fractions(cfg, key, label, bounds)
+    if typing.get_origin(kind) is list and args == (int,):
+        return _integers(cfg, key, label)
+    if dataclasses.is_dataclass(kind):
+        return _nested(cfg.get(key), kind, label)
+    return cfg.get(key)
+
+
+def _nested(raw: Any, kind: type, label: str) -> Any:
+    """A mapping checked against a dataclass of the schema (``design_options``); missing keys take its defaults."""
+    raw = raw or {}
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{label}={raw!r}: expected a mapping of {sorted(fields)}")
+    unknown = set(raw) - set(fields)
     if unknown:
-        raise ConfigError(f"design_options: unknown key(s) {sorted(unknown)}; known: {sorted(DesignOptions.__dataclass_fields__)}")
-    values = {}
-    for name, kind in (("n_sink", int), ("n_recent", int), ("head_fraction", float), ("pi_min", float)):
-        if name in opts:
-            values[name] = _number(opts, name, kind, label=f"design_options.{name}")
-    return DesignOptions(**values)
+        raise ConfigError(f"{label}: unknown key(s) {sorted(unknown)}; known: {sorted(fields)}")
+    hints = _hints(kind)
+    return kind(**{name: _check(f, hints[name], raw, f"{label}.{name}") for name, f in fields.items() if name in raw})
 
 
 def _policy_options(cfg: Mapping[str, Any]) -> dict:
@@ -201,73 +235,45 @@ def _policy_options(cfg: Mapping[str, Any]) -> dict:
 
 
 def _extra_grids(cfg: Mapping[str, Any], seeds: tuple[int, ...]) -> tuple[Grid, ...]:
+    fields = {f.name: f for f in dataclasses.fields(schema.GridKnobs)}
+    hints = _hints(schema.GridKnobs)
     grids = []
     for i, grid in enumerate(cfg.get("extra_grids") or []):
         key = f"extra_grids[{i}]"
         if not isinstance(grid, Mapping):
             raise ConfigError(f"{key}={grid!r}: expected a mapping with policies, designs, budgets[, seeds]")
-        unknown = set(grid) - {"policies", "designs", "budgets", "seeds"}
+        unknown = set(grid) - set(fields)
         if unknown:
             raise ConfigError(f"{key}: unknown keys {sorted(unknown)}")
-        grids.append(Grid(
-            policies=_names(grid, "policies", set(POLICIES), key),
-            designs=_names(grid, "designs", set(DESIGNS), key),
-            budgets=_budgets(grid, f"{key}.budgets"),
-            seeds=_seeds(grid, f"{key}.seeds") if grid.get("seeds") is not None else seeds,
-        ))
+        checked = {name: _check(f, hints[name], grid, f"{key}.{name}") for name, f in fields.items()}
+        grids.append(Grid(**{**checked, "seeds": checked["seeds"] or seeds}))
     return tuple(grids)
 
 
+# Checked after every other key (in this order), or not by their type: the groups have their own loaders.
+_LATER = ("extra_grids", "policy_options", "calibration")
+_GROUPS = ("defaults", "data", "model")
+
+
 def validate(cfg: Mapping[str, Any]) -> CellConfig:
-    """Check a resolved run config; raises ConfigError naming the first bad key."""
-    checked_budgets = _budgets(cfg, "budgets")
-    seeds = _seeds(cfg, "seeds")
-    setting = cfg.get("setting")
-    if setting not in SETTINGS:
-        raise ConfigError(f"setting={setting!r} is unknown; known: {list(SETTINGS)}")
-    n_shards = _number(cfg, "n_shards", int, low=1)
-    shard = _number(cfg, "shard", int, low=0)
-    if shard >= n_shards:
-        raise ConfigError(f"shard={shard}: must be < n_shards={n_shards}")
-    shard_by = cfg.get("shard_by", "item")  # configs written before the key existed sharded by item
-    if shard_by not in SHARD_BY:
-        raise ConfigError(f"shard_by={shard_by!r} is unknown; known: {list(SHARD_BY)}")
-    truncate = cfg.get("truncate")
-    if truncate not in TRUNCATE:
-        raise ConfigError(f"truncate={truncate!r} is unknown; known: {list(TRUNCATE)}")
-    max_ctx = cfg.get("max_context_tokens")
-    options = _design_options(cfg)
-    if not 0.0 < options.pi_min <= 1.0:
-        raise ConfigError(f"design_options.pi_min={options.pi_min}: must lie in (0, 1]")
-    if not 0.0 <= options.head_fraction <= 1.0:
-        raise ConfigError(f"design_options.head_fraction={options.head_fraction}: must lie in [0, 1]")
-    if options.n_sink < 0 or options.n_recent < 1:
-        raise ConfigError("design_options: n_sink must be >= 0 and n_recent >= 1")
-    threads = cfg.get("threads")
-    if threads is not None:
-        _number(cfg, "threads", int, low=1)
-    if cfg.get("progress") is not None:
-        _flag(cfg, "progress")
-    return CellConfig(
-        policies=_names(cfg, "policies", set(POLICIES)),
-        designs=_names(cfg, "designs", set(DESIGNS)),
-        budgets=tuple(checked_budgets),
-        seeds=seeds,
-        setting=setting,
-        n_items=_number(cfg, "n_items", int, low=1),
-        shard=shard,
-        n_shards=n_shards,
-        oracle=_flag(cfg, "oracle"),
-        certify=_flag(cfg, "certify"),
-        delta=_number(cfg, "delta", float, low=0.0, high=0.999, low_open=True),
-        observation_window=_number(cfg, "observation_window", int, low=1),
-        options=options,
-        max_context_tokens=None if max_ctx is None else _number(cfg, "max_context_tokens", int, low=8),
-        truncate=truncate,
-        extra_grids=_extra_grids(cfg, seeds),
-        store_steps=_flag(cfg, "store_steps", True),
-        policy_options=_policy_options(cfg),
-        calibration=load_calibration(cfg.get("calibration")),
-        shard_by=shard_by,
-        check_calibration_prompts=_flag(cfg, "check_calibration_prompts", True),
-    )
+    """Check a resolved run config (composed, or a cell's config.yaml read back; a key it lacks takes the
+    schema's default); raises ConfigError naming the first bad key."""
+    hints = _hints(schema.RunConfig)
+    checked: dict[str, Any] = {}
+    for f in dataclasses.fields(schema.RunConfig):
+        if f.name in _GROUPS:
+            checked[f.name] = cfg.get(f.name, {})
+        elif f.name not in _LATER:
+            checked[f.name] = _check(f, hints[f.name], cfg if f.name in cfg else _default(f), f.name)
+    if checked["shard"] >= checked["n_shards"]:
+        raise ConfigError(f"shard={checked['shard']}: must be < n_shards={checked['n_shards']}")
+    checked["extra_grids"] = _extra_grids(cfg, checked["seeds"])
+    checked["policy_options"] = _policy_options(cfg)
+    checked["calibration"] = load_calibration(cfg.get("calibration"))
+    return CellConfig(**checked)
+
+
+def _default(f: dataclasses.Field) -> dict[str, Any]:
+    """``{name: default}``: a key a config lacks (written before the key existed) has its default."""
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return {f.name: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value}
