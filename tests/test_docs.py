@@ -453,3 +453,25 @@ def test_errors_page_lists_every_refusal_of_kvcert_calibrate():
         assert case[2].format(d="<dir>") in section, case[0]
     for case in cases.RUN_CASES:
         assert case[3].format(d="<dir>", file="<file>") in section, case[0]
+
+
+def test_paper_scale_plan_is_kvcert_plans_output():
+    """docs/cluster.md shows `kvcert-plan scale=paper` as the code prints it, and its prose reads that output."""
+    from kvcert.plan import plan_scale, render
+
+    page = text(DOCS / "cluster.md")
+    shown = page.split("$ kvcert-plan scale=paper\n", 1)[1].split("```", 1)[0]
+    printed = render(plan_scale("paper", ROOT)) + "\n"
+    assert shown == printed, "docs/cluster.md's kvcert-plan output is stale: paste `kvcert-plan scale=paper` again"
+    hours = dict(re.findall(r"^(\S+)\s+[\d.]+\s+([\d.]+)\s+\d+$", printed, flags=re.M))
+    gpu_hours = dict(re.findall(r"^(\S+)\s+[\d.]+\s+[\d.]+\s+(\d+)$", printed, flags=re.M))
+    prose = " ".join(page.split())
+    assert (f"{gpu_hours['H200-141GB']} GPU-hours on H200s and {gpu_hours['H100-80GB']} on H100s" in prose)
+    # The prose rounds the printed hours (two decimals, themselves rounded) to one decimal.
+    longest = re.search(r"longest shard job takes ([\d.]+) h on an H200 and ([\d.]+) h on an A100-40GB", prose)
+    assert longest, "docs/cluster.md no longer states the longest shard job"
+    for stated, device in zip(longest.groups(), ("H200-141GB", "A100-40GB")):
+        assert abs(float(stated) - float(hours[device])) <= 0.05 + 1e-9, (device, stated, hours[device])
+    too_big = sorted(line.split()[0].split("/")[-1] for line in printed.splitlines() if " NO " in line)
+    assert too_big == ["llama8b-longbench16k-streaming", "mistral7b-longbench16k-streaming"]
+    assert "On 40 GB GPUs the 16k-token streaming cells of Llama and Mistral do not" in prose
