@@ -78,6 +78,13 @@ reproduce-v2: install
 sensitivity: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=sensitivity
 
+## Amendment 4's pilot and design (preregistration/amendment-4.yaml, a draft until locked): stages A-D per model
+## on pilot items, the rules applied (pilot.csv, population.yaml), timing cells, power and design (timing.yaml,
+## power.yaml, design.yaml). Estimated 3 CPU-hours for SmolLM2 and 5 for Gemma 3: about 5 hours on 2 cores.
+.PHONY: pilot-amendment-4
+pilot-amendment-4: install model
+	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete amendment_4_design
+
 ## Recompute committed studies into results/verify and compare their rows of claims.csv, reproduction.csv
 ## and accuracy.csv with the committed ones: make verify-results STUDIES=v3 (any of the default scale's
 ## studies; default all, about 9 hours on 2 cores, 5 of them the powered study v2-full; v3 alone about an

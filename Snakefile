@@ -16,6 +16,7 @@ include: "workflow/rules/tables.smk"
 include: "workflow/rules/notebooks.smk"
 include: "workflow/rules/exploratory.smk"
 include: "workflow/rules/calibration.smk"
+include: "workflow/rules/design.smk"
 
 
 rule all:

@@ -102,8 +102,8 @@ def test_ties_keep_the_records_pair_and_deviations_are_mechanical(rules, pilot_s
 def test_choose_writes_the_rows_and_the_population(tmp_path, rules, pilot_script):
     header = ",".join(pilot_script.COLUMNS_4)
     lines = [header,
-             "smollm2,A,retrieval,niah_multikey_2,1024,,,question_aware,full,1.0,40,40,28,0.7,False,7.1",
-             "gemma3,A,retrieval,niah_multikey_2,1024,,,question_aware,full,1.0,40,40,30,0.75,False,8.0"]
+             "smollm2,A,retrieval,niah_multikey_2,1024,,,question_aware,full,1.0,40,40,28,0.7,False,7.1,,",
+             "gemma3,A,retrieval,niah_multikey_2,1024,,,question_aware,full,1.0,40,40,30,0.75,False,8.0,,"]
     src = tmp_path / "rows.csv"
     src.write_text("\n".join(lines) + "\n")
     amendment = ROOT / "preregistration" / "amendment-4.yaml"

@@ -34,7 +34,8 @@ COLUMNS = ["round", "model", "family", "task", "n_run", "n_correct", "accuracy",
            "prompt_tokens_mean"]
 # Amendment 4's rows.
 COLUMNS_4 = ["model", "stage", "family", "task", "context_tokens", "window", "kernel", "setting", "design", "budget",
-             "n_items", "n_runs", "n_correct", "accuracy", "curtailed", "cpu_s_per_item"]
+             "n_items", "n_runs", "n_correct", "accuracy", "curtailed", "cpu_s_per_item", "n_fail_inherent",
+             "n_fail_cache"]
 FAMILY_ORDER = ("retrieval", "multi_hop_tracing", "aggregation")
 DEFAULT_PAIR = (16, 5)  # versions 1-3's SnapKV window and kernel: first in the tie order
 POISSON_SEEDS = (0, 1, 2)
@@ -242,15 +243,19 @@ class Runner:
         return {key: bool(is_correct(score_item(item, self.tokenizer.decode(d.token_ids, skip_special_tokens=True)),
                                      item.metric)) for key, d in zip(keys, decoded)}
 
-    def row(self, stage, family, variant, setting, design, budget, window, kernel, per_item, cpu, curtailed=False):
-        """per_item: one list of outcomes (runs) per item."""
+    def row(self, stage, family, variant, setting, design, budget, window, kernel, per_item, cpu, curtailed=False,
+            full=None):
+        """per_item: one list of outcomes (runs) per item; full: the item's full-cache outcome, to count failing
+        runs by class (inherent: the full cache fails too; cache-induced: it answers), C6's two classes."""
         runs = sum(len(o) for o in per_item)
         return {"model": self.name, "stage": stage, "family": family, "task": _label(variant),
                 "context_tokens": int(variant.get("context_tokens", 0)), "window": window, "kernel": kernel,
                 "setting": setting, "design": design, "budget": budget, "n_items": len(per_item), "n_runs": runs,
                 "n_correct": sum(sum(o) for o in per_item),
                 "accuracy": round(sum(sum(o) / len(o) for o in per_item) / len(per_item), 4), "curtailed": curtailed,
-                "cpu_s_per_item": round(cpu / len(per_item), 3)}
+                "cpu_s_per_item": round(cpu / len(per_item), 3),
+                "n_fail_inherent": None if full is None else sum(o.count(False) for o, f in zip(per_item, full) if not f),
+                "n_fail_cache": None if full is None else sum(o.count(False) for o, f in zip(per_item, full) if f)}
 
 
 def run_stage_a(runner: Runner, family: str, variant: dict) -> dict:
@@ -303,10 +308,11 @@ def run_stage_cd(runner: Runner, family: str, variant: dict, pair: tuple[int, in
             cpu += time.process_time() - start
             for design in dict.fromkeys(d for d, _, _ in configs):
                 by_design.setdefault(design, []).append([v for key, v in got.items() if key[1] == design])
+        full = [o[0] for o in by_design["full"]] if "full" in by_design else None
         for design, per_item in by_design.items():
             budget = 1.0 if design == "full" else 0.25
             rows.append(runner.row(stage, family, variant, setting, design, budget, window, kernel, per_item,
-                                   cpu / len(by_design)))
+                                   cpu / len(by_design), full=full if design == "poisson" else None))
     return rows
 
 
@@ -349,8 +355,9 @@ def read_rows(paths: list[Path]) -> list[dict]:
     for path in paths:
         with open(path, newline="") as f:
             for r in csv.DictReader(f):
-                for key in ("window", "kernel", "context_tokens", "n_items", "n_runs", "n_correct"):
-                    r[key] = int(r[key]) if r[key] not in ("", None) else None
+                for key in ("window", "kernel", "context_tokens", "n_items", "n_runs", "n_correct", "n_fail_inherent",
+                            "n_fail_cache"):
+                    r[key] = int(r[key]) if r.get(key) not in ("", None) else None
                 for key in ("budget", "accuracy", "cpu_s_per_item"):
                     r[key] = float(r[key])
                 r["curtailed"] = r["curtailed"] == "True"

@@ -1,12 +1,20 @@
-"""The power analysis of a pre-registration amendment, from version 1's bootstrap intervals.
+"""The power analysis of a pre-registration amendment, from committed studies' bootstrap intervals.
 
     python workflow/scripts/power.py --v1-claims results/v1/claims --n-qa 700 --n-streaming 600
+    python workflow/scripts/power.py --amendment preregistration/amendment-4.yaml \
+        --studies v1=results/v1/claims v2=results/v2/claims v2-full=results/v2-full/claims v3=results/v3/claims \
+        --pilot preregistration/amendment-4/pilot.csv --population preregistration/amendment-4/population.yaml
 
 For each tested component of version 1 (and the C4-C7 secondary intervals), the per-item standard deviation
 implied by its 95% percentile interval, sd = width * sqrt(n) / (2 * 1.96), the number of items that makes
 the interval span at most ``--span`` (the C1/C2 target, 4 points), and the width expected at the planned
 item counts (question-aware items for C1-C5, streaming items for C6-C7). Prints YAML for the amendment.
 Uses version 1's variances only, never its verdicts.
+
+Amendment 4 (``--amendment``): the largest per-item sd over every C1 and C2 component of every named study gives
+the question-aware items for a 4-point span, the same over C7's components the streaming items for C7; C6's
+items come from the largest k = width^2 / (1/n_inherent + 1/n_cache_induced) over the studies and the pilot's
+stage-D class rates (the amendment's power rule, stated there in words).
 """
 
 from __future__ import annotations
@@ -54,14 +62,117 @@ def analysis(claims_dir: Path, span: float, n_qa: int, n_streaming: int) -> dict
     return out
 
 
+# --- amendment 4: every committed study's variances, and the pilot's class rates for C6 -------------------------
+
+
+def _components(result: dict) -> list[tuple[str, float, float]]:
+    return [(c["name"], c["ci_low"], c["ci_high"]) for c in result["details"]["components"]]
+
+
+def items_for_span(claims_dirs: dict[str, Path], claim_ids: tuple[str, ...], span: float) -> dict:
+    """The largest per-item sd over every component of ``claim_ids`` in every study, and the items that make
+    an interval of that sd span ``span``: n = ceil((2 * 1.96 * sd_max / span)^2)."""
+    sds = {}
+    for study, claims_dir in claims_dirs.items():
+        for claim in claim_ids:
+            result = json.loads((claims_dir / f"{claim}.json").read_text())
+            for name, low, high in _components(result):
+                sds[f"{study} {claim}.{name}"] = round(sd_of(low, high, int(result["n"])), 4)
+    binding = max(sds, key=sds.get)
+    return {"sd_per_item": sds, "sd_max": sds[binding], "sd_max_from": binding,
+            "items": math.ceil((2 * Z * sds[binding] / span) ** 2)}
+
+
+def c6_constant(claims_dirs: dict[str, Path]) -> dict:
+    """k = width(auc_certificate)^2 / (1/n_inherent + 1/n_cache_induced) per study, and the largest."""
+    ks = {}
+    for study, claims_dir in claims_dirs.items():
+        details = json.loads((claims_dir / "c6.json").read_text())["details"]
+        low, high = details["auc_certificate"]["ci_low"], details["auc_certificate"]["ci_high"]
+        n_inh, n_cache = int(details["n_inherent"]), int(details["n_cache_induced"])
+        ks[study] = {"width": round(high - low, 4), "n_inherent": n_inh, "n_cache_induced": n_cache,
+                     "k": round((high - low) ** 2 / (1 / n_inh + 1 / n_cache), 4)}
+    binding = max(ks, key=lambda s: ks[s]["k"])
+    return {"by_study": ks, "k_max": ks[binding]["k"], "k_max_from": binding}
+
+
+def class_rates(rows: list[dict], population: dict) -> dict:
+    """Per run at Poisson 25% in the streaming setting (pilot stage D), the fractions failing where the full
+    cache fails too (p_inh) and where it answers (p_cache), over the streaming population's (model, task) pairs,
+    each weighted equally."""
+    pairs = [(model, v["label"]) for model, m in population["models"].items() for v in m["streaming"]]
+    per_pair = {}
+    for model, task in pairs:
+        found = [r for r in rows if r["model"] == model and r["task"] == task and r["stage"] == "D"
+                 and r["design"] == "poisson"]
+        if not found:
+            raise SystemExit(f"pilot rows: no stage-D Poisson row for {model} {task}")
+        r = found[0]
+        per_pair[f"{model} {task}"] = {"p_inh": r["n_fail_inherent"] / r["n_runs"], "p_cache": r["n_fail_cache"] / r["n_runs"]}
+    return {"by_task": per_pair,
+            "p_inh": sum(v["p_inh"] for v in per_pair.values()) / len(per_pair),
+            "p_cache": sum(v["p_cache"] for v in per_pair.values()) / len(per_pair)}
+
+
+def items_for_c6(k_max: float, p_inh: float, p_cache: float, width: float, min_runs: int, runs_per_item: int = 3) -> int:
+    """The smallest n with sqrt(k_max * (1/(r n p_inh) + 1/(r n p_cache))) <= width and r n min(p) >= min_runs."""
+    if min(p_inh, p_cache) <= 0:
+        raise SystemExit(f"C6 cannot be sized: a class never occurs in the pilot (p_inh={p_inh}, p_cache={p_cache})")
+    by_width = k_max * (1 / p_inh + 1 / p_cache) / (runs_per_item * width ** 2)
+    by_count = min_runs / (runs_per_item * min(p_inh, p_cache))
+    return math.ceil(max(by_width, by_count) - 1e-9)
+
+
+def amendment4(claims_dirs: dict[str, Path], rows: list[dict], population: dict, targets: dict) -> dict:
+    c1_c2 = items_for_span(claims_dirs, ("c1", "c2"), float(targets["c1_c2_points"]))
+    c7 = items_for_span(claims_dirs, ("c7",), float(targets["c7_points"]))
+    k = c6_constant(claims_dirs)
+    rates = class_rates(rows, population)
+    n_c6 = items_for_c6(k["k_max"], rates["p_inh"], rates["p_cache"], float(targets["c6_auc"]),
+                        int(targets["c6_design_runs_per_class"]))
+    n_streaming = max(n_c6, c7["items"])
+    return {"formula": "sd = width * sqrt(n) / (2 * 1.96); n_for_span = ceil((2 * 1.96 * sd_max / span)^2); "
+                       "C6: k = width^2 / (1/n_inherent + 1/n_cache_induced), n_c6 = smallest n with "
+                       "sqrt(k_max (1/(3 n p_inh) + 1/(3 n p_cache))) <= width target and 3 n min(p) >= runs target",
+            "studies": {s: str(d) for s, d in claims_dirs.items()}, "targets": targets,
+            "c1_c2": c1_c2, "c7": c7, "c6": {**k, **rates, "items": n_c6},
+            "question_aware_items": c1_c2["items"], "streaming_items": n_streaming,
+            "per_model": {"question_aware": math.ceil(c1_c2["items"] / len(population["models"])),
+                          "streaming": math.ceil(n_streaming / len(population["models"]))}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--v1-claims", type=Path, required=True)
+    parser.add_argument("--v1-claims", type=Path, help="amendments 2 and 3: version 1's claims folder")
     parser.add_argument("--span", type=float, default=4.0)
-    parser.add_argument("--n-qa", type=int, required=True)
-    parser.add_argument("--n-streaming", type=int, required=True)
+    parser.add_argument("--n-qa", type=int)
+    parser.add_argument("--n-streaming", type=int)
+    parser.add_argument("--amendment", type=Path, help="amendment 4: its document (power.span_targets)")
+    parser.add_argument("--studies", nargs="+", default=[], help="amendment 4: STUDY=CLAIMS_DIR of committed studies")
+    parser.add_argument("--pilot", type=Path, help="amendment 4: the pilot's rows (pilot.csv)")
+    parser.add_argument("--population", type=Path, help="amendment 4: the chosen population (population.yaml)")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    print(yaml.safe_dump(analysis(args.v1_claims, args.span, args.n_qa, args.n_streaming), sort_keys=False, width=110))
+    if args.amendment is None:
+        if args.v1_claims is None or args.n_qa is None or args.n_streaming is None:
+            parser.error("--v1-claims, --n-qa and --n-streaming are required without --amendment")
+        print(yaml.safe_dump(analysis(args.v1_claims, args.span, args.n_qa, args.n_streaming), sort_keys=False, width=110))
+        return 0
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pilot", Path(__file__).with_name("pilot.py"))
+    pilot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pilot)
+    targets = yaml.safe_load(args.amendment.read_text())["power"]["span_targets"]
+    studies = dict(item.split("=", 1) for item in args.studies)
+    doc = amendment4({s: Path(d) for s, d in studies.items()}, pilot.read_rows([args.pilot]),
+                     yaml.safe_load(args.population.read_text()), targets)
+    text = yaml.safe_dump(doc, sort_keys=False, width=110)
+    if args.out:
+        from kvcert.atomic import write_text_atomic
+
+        write_text_atomic(text, args.out)
+    print(text, end="")
     return 0
 
 

@@ -59,7 +59,119 @@ def resize(cells: dict[str, dict], budget_seconds: float, keep: tuple[str, ...])
             "estimated_cell_seconds": round(estimate), "budget_cell_seconds": round(budget_seconds)}
 
 
+# --- amendment 4: the planned cells, their timing run and the design ---------------------------------------------
+
+ORACLE_ITEMS = {"smollm2": 30, "gemma3": 16}  # amendment 2's oracle cells (C3's step tables), kept by amendment 4
+ITEMS_PER_SHARD = 35  # about v3's shards (206 items in 6): a lost shard costs little, shards balance two cores
+KINDS = ("qa", "oracle", "streaming")
+MIN_QA_ITEMS = 100  # question-aware items (pooled) C6's streaming floor must leave in the scaled design
+
+
+def _flow(value) -> str:
+    """A Hydra override value in flow style without spaces: {name:vt,num_hops:1}."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_flow(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_flow(v) for v in value) + "]"
+    return str(value)
+
+
+def planned_cells(population: dict, counts: dict[str, int], seeds: dict[str, int]) -> dict[str, dict]:
+    """Scale-file cells (name -> {model, shards, overrides}) of amendment 4's design: per model a question-aware,
+    an oracle and a streaming cell with amendment 2's configurations, the model's tasks, SnapKV window and kernel.
+
+    counts: items per cell name (e.g. "qa-smollm2"); seeds: data seeds {"qa": .., "oracle": .., "streaming": ..}.
+    """
+    out = {}
+    for model, chosen in population["models"].items():
+        knobs = [f"observation_window={chosen['window']}", f"policy_options={{snapkv:{{kernel_size:{chosen['kernel']}}}}}",
+                 "policies=[snapkv]", "seeds=[0,1,2]"]
+        for kind in KINDS:
+            name = f"{kind}-{model}"
+            tasks = chosen["streaming"] if kind == "streaming" else chosen["question_aware"]
+            grid = (["setting=streaming", "designs=[poisson]", "budgets=[0.25]", "oracle=false", "store_steps=false"]
+                    if kind == "streaming" else
+                    ["setting=question_aware", "designs=[topk,poisson]", "budgets=[0.25,0.5]"]
+                    + (["extra_grids=[{policies:[uniform],designs:[poisson],budgets:[0.25]}]", "oracle=true"]
+                       if kind == "oracle" else ["oracle=false", "store_steps=false"]))
+            out[name] = {"model": model, "shards": max(1, math.ceil(counts[name] / ITEMS_PER_SHARD)),
+                         "overrides": ["data=ruler", f"data.tasks={_flow(tasks)}", f"data.seed={seeds[kind]}",
+                                       *knobs, f"n_items={counts[name]}", *grid]}
+    return out
+
+
+def time_cells(population: dict, out_dir: Path, n_items: int, seed: int, cores: int) -> Path:
+    """Run every planned cell on ``n_items`` pilot items (data seed ``seed``), ``cores`` cells at a time with one
+    thread each, as `make reproduce` runs them; returns ``out_dir`` (one shard-0 per cell, read by ``measured``).
+    Only the manifests' wall seconds are read; the answers are not."""
+    import shutil
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    counts = {f"{kind}-{model}": n_items for model in population["models"] for kind in KINDS}
+    cells = planned_cells(population, counts, {kind: seed for kind in KINDS})
+    command = [str(Path(sys.executable).with_name("kvcert-run"))]
+
+    def run(item):
+        name, cell = item
+        target = out_dir / name / "shard-0"
+        if (target / "manifest.json").is_file():
+            return
+        args = [*command, f"model={cell['model']}", *cell["overrides"], "threads=1", "progress=false", f"out_dir={target}"]
+        done = subprocess.run(args, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"timing cell {name} failed: {done.stderr.strip().splitlines()[-1:]}")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max_workers=cores) as pool:
+        list(pool.map(run, cells.items()))
+    for leftover in out_dir.glob("*/shard-0/.parts"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return out_dir
+
+
+def design(population: dict, power: dict, timing: dict[str, dict], budget_seconds: float, seeds: dict[str, int],
+           c6_min_items: int) -> dict:
+    """The powered design and, when it does not fit the budget, the scaled one (``resize``'s rule); each
+    streaming cell keeps at least ``c6_min_items`` / number of models items (C6's failing runs per class)."""
+    models = list(population["models"])
+    per_model = power["per_model"]
+    full = {}
+    for model in models:
+        full[f"qa-{model}"] = per_model["question_aware"]
+        full[f"streaming-{model}"] = per_model["streaming"]
+        full[f"oracle-{model}"] = ORACLE_ITEMS.get(model, 16)
+    cost = {c: timing[c]["per_item_median"] for c in full}
+    cells = {c: {"items": n, "seconds": n * cost[c], "per_item_median": cost[c]} for c, n in full.items()}
+    scaled = resize(cells, budget_seconds, keep=("oracle",))
+    scaled["c6_floor_kept"] = False
+    floor = math.ceil(c6_min_items / len(models))
+    if any(scaled["counts"][f"streaming-{m}"] < min(floor, full[f"streaming-{m}"]) for m in models):
+        # The streaming cells keep C6's minimum and the question-aware cells take what is left, if that leaves
+        # them MIN_QA_ITEMS; otherwise the uniform scaling stands and only the powered study meets C6's count.
+        floored = dict(cells)
+        for m in models:
+            n = min(floor, full[f"streaming-{m}"])
+            floored[f"streaming-{m}"] = {"items": n, "seconds": n * cost[f"streaming-{m}"],
+                                         "per_item_median": cost[f"streaming-{m}"]}
+        fixed = sum(e["seconds"] for c, e in floored.items() if c.startswith(("oracle", "streaming")))
+        if fixed < budget_seconds:
+            attempt = resize(floored, budget_seconds, keep=("oracle", "streaming"))
+            if sum(n for c, n in attempt["counts"].items() if c.startswith("qa")) >= MIN_QA_ITEMS:
+                scaled = {**attempt, "c6_floor_kept": True}
+    out = {"powered": {"counts": full, "estimated_cell_seconds": round(sum(full[c] * cost[c] for c in full)),
+                       "study": {"prereg": 4, "cells": planned_cells(population, full, seeds)}},
+           "reproduce_90_minutes": {**scaled, "study": {"prereg": 4, "cells": planned_cells(population, scaled["counts"], seeds)}}}
+    out["fits"] = scaled["factor"] >= 1.0 and all(scaled["counts"][c] >= full[c] for c in full)
+    return out
+
+
 def main() -> None:
+    import sys
+
+    if sys.argv[1:2] in (["time"], ["design"]):
+        return amendment4_main(sys.argv[1], sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=Path, required=True, help="a study's cells/ folder")
     parser.add_argument("--budget-minutes", type=float, required=True, help="wall minutes of cells")
@@ -77,6 +189,44 @@ def main() -> None:
            **result}
     text = yaml.safe_dump(doc, sort_keys=False, width=110)
     if args.out:
+        write_text_atomic(text, args.out)
+    print(text, end="")
+
+
+def amendment4_main(command: str, argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=f"amendment 4: {command}")
+    parser.add_argument("--amendment", type=Path, required=True)
+    parser.add_argument("--population", type=Path, required=True)
+    parser.add_argument("--cells", type=Path, help="time: the timing cells' folder")
+    parser.add_argument("--timing", type=Path, required=True, help="the measured times (time: written; design: read)")
+    parser.add_argument("--power", type=Path, help="design: power.yaml")
+    parser.add_argument("--out", type=Path, help="design: design.yaml")
+    parser.add_argument("--cores", type=int, default=2)
+    args = parser.parse_args(argv)
+    doc = yaml.safe_load(args.amendment.read_text())
+    population = yaml.safe_load(args.population.read_text())
+    timing = doc["power"]["timing"]
+    if command == "time":
+        time_cells(population, args.cells, int(timing["n_items"]), int(doc["pilot"]["items_seed"]), args.cores)
+        cells = measured(args.cells)
+        text = yaml.safe_dump({"rule": "per item: median over a cell's shards of wall seconds / items (manifest.json)",
+                               "inputs": {"cells": str(args.cells), "n_items": timing["n_items"],
+                                          "items_seed": doc["pilot"]["items_seed"], "cores": args.cores},
+                               "measured": {c: {"items": e["items"], "shards": e["shards"],
+                                                "cell_seconds": round(e["seconds"], 1),
+                                                "per_item_median": round(e["per_item_median"], 2)}
+                                            for c, e in cells.items()}}, sort_keys=False, width=110)
+        write_text_atomic(text, args.timing)
+    else:
+        power = yaml.safe_load(args.power.read_text())
+        measured_times = yaml.safe_load(args.timing.read_text())["measured"]
+        c6 = power["c6"]
+        c6_min = math.ceil(int(doc["power"]["span_targets"]["c6_design_runs_per_class"])
+                           / (3 * min(c6["p_inh"], c6["p_cache"])))
+        out = design(population, power, measured_times, float(timing["budget_minutes"]) * 60 * args.cores,
+                     {k: int(v) for k, v in doc["power"]["items_seeds"].items()}, c6_min)
+        text = yaml.safe_dump({"rule": "amendment 4's power.budget", "c6_min_streaming_items": c6_min, **out},
+                              sort_keys=False, width=110)
         write_text_atomic(text, args.out)
     print(text, end="")
 

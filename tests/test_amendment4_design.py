@@ -1,0 +1,124 @@
+"""Amendment 4's sizing tools: the power rule on the committed studies (workflow/scripts/power.py) and the
+planned cells, their design and scaling (workflow/scripts/resize_design.py). Pilot rates and cell times here
+are invented; the committed studies' intervals are the only real numbers read."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDIES = {s: ROOT / "results" / s / "claims" for s in ("v1", "v2", "v2-full", "v3")}
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "workflow" / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def power():
+    return _script("power")
+
+
+@pytest.fixture(scope="module")
+def resize():
+    return _script("resize_design")
+
+
+@pytest.fixture(scope="module")
+def amendment():
+    return yaml.safe_load((ROOT / "preregistration" / "amendment-4.yaml").read_text())
+
+
+POPULATION = {"models": {
+    "smollm2": {"window": 8, "kernel": 9,
+                "question_aware": [{"name": "vt", "label": "vt_1_512", "num_chains": 1, "num_hops": 1, "context_tokens": 512}],
+                "streaming": [{"name": "niah_multikey", "label": "niah_multikey_2", "num_needles": 2, "context_tokens": 1024}]},
+    "gemma3": {"window": 16, "kernel": 5,
+               "question_aware": [{"name": "cwe", "label": "cwe_2", "num_common": 2, "max_new_tokens": 30, "context_tokens": 1024}],
+               "streaming": [{"name": "cwe", "label": "cwe_2", "num_common": 2, "max_new_tokens": 30, "context_tokens": 1024}]},
+}}
+
+
+def test_the_committed_variances_give_the_numbers_the_amendment_states(power, amendment):
+    c1_c2 = power.items_for_span(STUDIES, ("c1", "c2"), 4.0)
+    c7 = power.items_for_span(STUDIES, ("c7",), 4.0)
+    k = power.c6_constant(STUDIES)
+    # sd = width sqrt(n) / (2 * 1.96) of v1's C1 top-k at 25% ([-59.167, -40.833], 120 items)
+    assert c1_c2["sd_max"] == pytest.approx(18.333 * math.sqrt(120) / (2 * 1.959964), abs=1e-3)
+    assert c1_c2["sd_max_from"] == "v1 c1.accuracy_change[snapkv,topk,0.25]" and c1_c2["items"] == 2521
+    assert c7["items"] == 521 and k["k_max"] == pytest.approx(3.217, abs=1e-3) and k["k_max_from"] == "v2"
+    stated = amendment["power"]["committed_variances"]
+    for number in ("51.23", "2521", "23.29", "521", "3.217", "636"):
+        assert number in stated
+    assert power.items_for_c6(k["k_max"], 0.15, 0.15, 0.15, 125) == 636
+    # The 125-run floor binds when one class is rare: 125 / (3 * 0.02) = 2084 > the width's need.
+    assert power.items_for_c6(k["k_max"], 0.02, 0.6, 0.15, 125) == max(
+        math.ceil(3.217 * (1 / 0.02 + 1 / 0.6) / (3 * 0.0225)), 2084)
+    with pytest.raises(SystemExit, match="never occurs"):
+        power.items_for_c6(3.0, 0.0, 0.5, 0.15, 125)
+
+
+def test_class_rates_weight_each_streaming_task_equally(power):
+    rows = [{"model": "smollm2", "task": "niah_multikey_2", "stage": "D", "design": "poisson", "n_runs": 90,
+             "n_fail_inherent": 9, "n_fail_cache": 45},
+            {"model": "gemma3", "task": "cwe_2", "stage": "D", "design": "poisson", "n_runs": 90,
+             "n_fail_inherent": 27, "n_fail_cache": 18}]
+    rates = power.class_rates(rows, POPULATION)
+    assert rates["p_inh"] == pytest.approx((0.1 + 0.3) / 2) and rates["p_cache"] == pytest.approx((0.5 + 0.2) / 2)
+    with pytest.raises(SystemExit, match="no stage-D Poisson row for gemma3 cwe_2"):
+        power.class_rates(rows[:1], POPULATION)
+
+
+def test_planned_cells_are_valid_run_configs_with_the_chosen_knobs(resize):
+    from omegaconf import OmegaConf
+
+    from kvcert.hydra_app import compose
+    from kvcert.runner.config import validate
+
+    counts = {f"{k}-{m}": 70 for m in POPULATION["models"] for k in resize.KINDS}
+    cells = resize.planned_cells(POPULATION, counts, {"qa": 40, "streaming": 40, "oracle": 41})
+    assert sorted(cells) == sorted(counts)
+    for name, cell in cells.items():
+        cfg = compose([f"model={cell['model']}", *cell["overrides"]])
+        checked = validate(cfg)
+        chosen = POPULATION["models"][cell["model"]]
+        assert checked.observation_window == chosen["window"]
+        assert checked.policy_options == {"snapkv": {"kernel_size": chosen["kernel"]}}
+        assert checked.setting == ("streaming" if name.startswith("streaming") else "question_aware")
+        tasks = OmegaConf.to_container(cfg.data, resolve=True)["tasks"]
+        assert tasks == (chosen["streaming"] if name.startswith("streaming") else chosen["question_aware"])
+        assert cell["shards"] == 2  # 70 items, 35 a shard
+    assert "data.seed=41" in cells["oracle-gemma3"]["overrides"] and "oracle=true" in cells["oracle-gemma3"]["overrides"]
+
+
+def test_the_design_scales_to_the_budget_and_keeps_c6s_floor(resize):
+    timing = {f"{k}-{m}": {"per_item_median": t} for m, ts in (("smollm2", (10.0, 16.0, 14.0)), ("gemma3", (20.0, 37.0, 22.0)))
+              for k, t in zip(resize.KINDS, ts)}
+    power = {"per_model": {"question_aware": 1261, "streaming": 320}}
+    seeds = {"qa": 40, "streaming": 40, "oracle": 41}
+    out = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=200)
+    counts = out["reproduce_90_minutes"]["counts"]
+    assert not out["fits"] and out["reproduce_90_minutes"]["c6_floor_kept"]
+    assert counts["streaming-smollm2"] == counts["streaming-gemma3"] == 100  # the floor, split between models
+    assert counts["qa-smollm2"] + counts["qa-gemma3"] >= resize.MIN_QA_ITEMS
+    assert counts["oracle-smollm2"] == 30 and counts["oracle-gemma3"] == 16
+    spent = sum(counts[c] * timing[c]["per_item_median"] for c in counts)
+    assert spent <= 7800.0 and out["reproduce_90_minutes"]["estimated_cell_seconds"] == round(spent)
+    assert counts["qa-smollm2"] == math.floor(1261 * out["reproduce_90_minutes"]["factor"])
+    assert out["powered"]["counts"]["qa-gemma3"] == 1261
+    assert out["powered"]["study"]["prereg"] == 4
+    # A floor that leaves too little (or nothing) for the question-aware cells: uniform scaling, floor dropped.
+    for floor in (300, 400):
+        uniform = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=floor)["reproduce_90_minutes"]
+        assert not uniform["c6_floor_kept"]
+        assert uniform["counts"]["streaming-smollm2"] == math.floor(320 * uniform["factor"])
+    roomy = resize.design(POPULATION, power, timing, 1e7, seeds, c6_min_items=400)
+    assert roomy["fits"] and roomy["reproduce_90_minutes"]["counts"] == roomy["powered"]["counts"]
