@@ -56,7 +56,9 @@ def test_the_rule_scales_only_the_cells_it_does_not_keep_and_fits_the_budget(tmp
             d.mkdir(parents=True)
             (d / "manifest.json").write_text(json.dumps({"n_shard_items": n, "wall_seconds": {"total": seconds}}))
     measured = resize_design.measured(cells)
+    # per-item times of qa-a's shards: 100/10, 300/10, 120/10 s; their median 12 s, over 10 + 10 + 10 items
     assert measured["qa-a"]["per_item_median"] == pytest.approx(12.0) and measured["qa-a"]["items"] == 30
+    # the kept oracle cell's 250 s plus 15 of qa-a's 30 items at 12 s: qa-a halved
     out = resize_design.resize(measured, budget_seconds=250.0 + 12.0 * 15, keep=("oracle",))
     assert out["counts"] == {"oracle-a": 5, "qa-a": 15} and out["factor"] == pytest.approx(0.5)
     assert resize_design.resize(measured, budget_seconds=1e9, keep=("oracle",))["counts"]["qa-a"] == 30  # never grows
@@ -76,6 +78,7 @@ def test_the_default_scale_is_amendment_2s_design_resized_on_fresh_items():
         strip = lambda overrides: [o for o in overrides if not o.startswith(("n_items=", "data.seed="))]
         assert strip(cell["overrides"]) == strip(old["overrides"]), name
         seeds = [o for o in cell["overrides"] if o.startswith("data.seed=")]
+        # amendment-3.yaml, items_seed: 10 for the question-aware and streaming cells, 11 for the oracle cells
         assert seeds == (["data.seed=11"] if name.startswith("oracle") else ["data.seed=10"]), name
 
 

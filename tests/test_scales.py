@@ -57,12 +57,14 @@ def test_rehearsal_keeps_the_paper_matrix_grid_and_claims():
     for model, overrides in paper["models"].items():
         derived = rehearse["models"][model]
         assert _keys(derived) == _keys(overrides)
-        assert override_value(derived, "model.dtype") == override_value(overrides, "model.dtype") == "bfloat16"
+        assert override_value(derived, "model.dtype") == override_value(overrides, "model.dtype") == "bfloat16"  # paper.yaml
     # the same cells and shards, under the same names
     paper_cells, rehearse_cells = expand_cells(paper), expand_cells(rehearse)
     assert list(paper_cells) == list(rehearse_cells)
     assert shard_list(paper_cells) == shard_list(rehearse_cells)
-    assert len(shard_list(paper_cells)) == 3 * 3 * 2 * paper["matrix"]["shards"]
+    matrix = paper["matrix"]  # models x data x settings cells, each in its shards
+    assert len(shard_list(paper_cells)) == (len(matrix["models"]) * len(matrix["data"]) * len(matrix["settings"])
+                                            * matrix["shards"])
     # every rehearsal cell has at least one item per shard, and the lengths are scaled down
     for cell in rehearse_cells.values():
         overrides = cell_overrides(rehearse, cell)
@@ -81,7 +83,7 @@ def test_a_change_of_the_paper_scale_reaches_the_rehearsal(tmp_path):
     assert "budgets=[0.2,0.4]" in rehearse["grid"]
     assert rehearse["matrix"]["settings"] == ["streaming"]
     assert override_value(rehearse["matrix"]["data"]["ruler"], "data.haystack") == "prose"
-    assert override_value(rehearse["matrix"]["data"]["ruler"], "data.context_tokens") == "800"
+    assert override_value(rehearse["matrix"]["data"]["ruler"], "data.context_tokens") == "800"  # rehearse.yaml's substitute
     assert all(name.endswith("-streaming") for name in expand_cells(rehearse))
 
 

@@ -136,6 +136,8 @@ def test_library_design_matches_the_measured_design(first_step):
         assert torch.equal(sel.log_pi[valid], expect[valid])
         retained.append(sel.retained.float())
     mean = float(torch.cat(retained).mean())
+    # Σπ = count per KV head: the mean retained count over the layers × KV heads has a standard error at most
+    # sqrt(count / n_heads) (Poisson variance Σπ(1 − π) ≤ Σπ), about 1.5 for 90 heads at ~210 tokens: 5% is > 6 of them
     assert abs(mean - count) < 0.05 * count
 
 
@@ -195,8 +197,9 @@ def test_generate_end_to_end(smollm2):
         n_steps = len(res.token_ids) - 1 + (0 if setting == "question_aware" else len(tokenizer(question, add_special_tokens=False).input_ids))
         assert len(steps) == n_steps * n_layers * n_kv
         assert steps[["trace_var", "cert", "true_err", "coverage"]].notna().all().all()
+        # Chebyshev's 1 − δ = 0.95 holds on average; rows of one item's few steps move together, hence 0.8
         assert float(steps["coverage"].mean()) >= 0.8
-        assert res.cache_bytes / res.full_bytes <= 0.5 + 0.03
+        assert res.cache_bytes / res.full_bytes <= 0.5 + 0.03  # the budget + 0.03 the overhead benchmark targets
         assert math.isfinite(sum(res.logprobs))
 
 
@@ -212,5 +215,8 @@ def test_certificate_overhead_benchmark_runs(capsys):
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
     assert len(table) == 1
     cells = [c.strip() for c in table[0].strip("|").split("|")]
-    # bytes are a property of the cache, not of timing: top-k holds exactly the budget
-    assert len(cells) == 13 and abs(float(cells[-2]) - 0.25) < 0.01 and 0.2 < float(cells[-1]) < 0.35
+    # columns: context, ms/step of each configuration, four ratios (d/c, d/c passes only, e/c, f/c), two byte ratios
+    assert len(cells) == 1 + len(module.CONFIGS) + 4 + 2
+    # bytes are a property of the cache, not of timing: top-k holds exactly the budget (--budget's default, 0.25),
+    # Poisson the budget in expectation (its count's sd over ~300 tokens: sqrt(75)/300 = 0.03 per head)
+    assert abs(float(cells[-2]) - 0.25) < 0.01 and 0.2 < float(cells[-1]) < 0.35
