@@ -134,10 +134,10 @@ CALIBRATE_KEYS = tuple(f.name for f in dataclasses.fields(CalibrateConfig) if f.
 # Keys that change what a cell computes (a resumed cell must match them); the rest (out_dir, progress, threads) do not.
 IDENTITY_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("identity", True))
 KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "defaults")
-# The knobs that decide pi and the certificate, so a calibration's factors: design_options' flattened.
-DESIGN_KNOBS = tuple(
-    f.name for f in (*dataclasses.fields(DesignKnobs), *dataclasses.fields(RunConfig)) if f.metadata.get("design_knob")
-)
+# The knobs that decide pi and the certificate, so a calibration's factors: design_options' (flattened), then the
+# top-level ones by name (the order of a calibration file's "design").
+DESIGN_KNOBS = (*(f.name for f in dataclasses.fields(DesignKnobs) if f.metadata.get("design_knob")),
+                *sorted(f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("design_knob")))
 
 # Aliases of the library's signatures (kvcert.sampling, kvcert.designs, kvcert.estimator, kvcert.calibration).
 N_SINK = DESIGN.n_sink

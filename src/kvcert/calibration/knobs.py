@@ -1,30 +1,34 @@
 """The design knobs a calibration is bound to: those that decide π and ε̂, and so the fitted factors.
 
-A file records ``design_knobs(...)`` when it is fitted; ``Calibration.check_design`` refuses a run whose knobs
-differ (one line naming the knob as the run configuration spells it, ``knob_label``).
+Which knobs these are is the run configuration's schema (``kvcert.defaults``: the fields marked
+``design_knob``). A file records ``design_knobs(...)`` when it is fitted; ``Calibration.check_design`` refuses a
+run whose knobs differ (one line naming the knob as the run configuration spells it, ``knob_label``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Mapping
 
-from .. import defaults
+from ..defaults import DESIGN_KNOBS, RUN, DesignKnobs
 from ..designs import DesignOptions
 
-KNOBS = ("n_sink", "n_recent", "head_fraction", "pi_min", "delta", "observation_window", "policy_options")
+KNOBS = DESIGN_KNOBS
 # Knobs that live under ``design_options`` in a run configuration; the rest are top-level keys.
-_DESIGN_OPTIONS = ("n_sink", "n_recent", "head_fraction", "pi_min")
+_DESIGN_OPTIONS = tuple(f.name for f in dataclasses.fields(DesignKnobs))
 
 
-def design_knobs(options: DesignOptions = DesignOptions(), *, delta: float = defaults.DELTA,
-                 observation_window: int = defaults.OBSERVATION_WINDOW,
+def design_knobs(options: DesignOptions = DesignOptions(), *, delta: float = RUN.delta,
+                 observation_window: int = RUN.observation_window,
                  policy_options: Mapping | None = None) -> dict[str, Any]:
-    """The knobs that decide π and ε̂, and so the calibration factors (``KNOBS``)."""
-    return {"n_sink": int(options.n_sink), "n_recent": int(options.n_recent),
-            "head_fraction": float(options.head_fraction), "pi_min": float(options.pi_min), "delta": float(delta),
-            "observation_window": int(observation_window),
-            "policy_options": json.loads(json.dumps(dict(policy_options or {}), sort_keys=True))}
+    """The knobs that decide π and ε̂, and so the calibration factors (``KNOBS``, in that order)."""
+    values = {**{name: getattr(options, name) for name in _DESIGN_OPTIONS}, "delta": delta,
+              "observation_window": observation_window,
+              "policy_options": json.loads(json.dumps(dict(policy_options or {}), sort_keys=True))}
+    kinds = {f.name: type(f.default) for f in (*dataclasses.fields(DesignKnobs), *dataclasses.fields(RUN))
+             if isinstance(f.default, (int, float)) and not isinstance(f.default, bool)}
+    return {name: kinds[name](values[name]) if name in kinds else values[name] for name in KNOBS}
 
 
 def knob_label(name: str) -> str:
