@@ -472,6 +472,11 @@ def test_paper_scale_plan_is_kvcert_plans_output():
     assert longest, "docs/cluster.md no longer states the longest shard job"
     for stated, device in zip(longest.groups(), ("H200-141GB", "A100-40GB")):
         assert abs(float(stated) - float(hours[device])) <= 0.05 + 1e-9, (device, stated, hours[device])
-    too_big = sorted(line.split()[0].split("/")[-1] for line in printed.splitlines() if " NO " in line)
-    assert too_big == ["llama8b-longbench16k-streaming", "mistral7b-longbench16k-streaming"]
-    assert "On 40 GB GPUs the 16k-token streaming cells of Llama and Mistral do not" in prose
+    cells = {line.split()[0].split("/")[-1]: line.split() for line in printed.splitlines()
+             if re.match(r"^\S+/\S+\s+\d+\s", line)}
+    assert len(cells) == 18
+    assert all(fields[-3] == "yes" for fields in cells.values()), "a cell no longer fits 40 GB: say which"
+    assert "Every cell fits a 40 GB GPU by the cost model" in prose
+    totals = [cells[f"{m}-longbench16k-streaming"][-4] for m in ("llama8b", "mistral7b")]
+    assert max(float(f[-4]) for f in cells.values()) == float(totals[0])
+    assert f"Llama and Mistral, need {totals[0]} and {totals[1]} GB" in prose
