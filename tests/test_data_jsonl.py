@@ -52,9 +52,9 @@ def test_jsonl_fixture_loads_with_defaults():
     assert first.max_new_tokens == 4
     assert second.answers == ("beans and leeks",)  # a single string becomes a one-element tuple
     assert second.metric == "qa_f1" and second.task == "garden"
-    assert third.metric == "string_match_part" and third.max_new_tokens == 32
+    assert third.metric == "string_match_part" and third.max_new_tokens == 32  # jsonl.DEFAULTS
     assert third.task == "items_small"  # the file name
-    assert score_item(third, " To the garden.") == 100.0
+    assert score_item(third, " To the garden.") == 100.0  # its one answer found
 
 
 def test_jsonl_config_defaults_apply_to_missing_fields():

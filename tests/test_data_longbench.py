@@ -61,6 +61,7 @@ def test_round_trip_builds_longbench_prompts(tokenizer):
         assert not item.meta["truncated"]
     trec = by_id["longbench/trec/trec-0001"]
     assert "{NASA}" in trec.question
+    # metrics and answer lengths are LongBench's own (dataset2metric, dataset2maxlen: data/assets/longbench.yaml)
     assert trec.metric == "classification" and trec.max_new_tokens == 64
     assert trec.metric_kwargs == {"all_classes": RECORDS[2]["all_classes"], "first_line": True}
     assert by_id["longbench/hotpotqa/hq-0001"].max_new_tokens == 32

@@ -36,7 +36,7 @@ def test_same_configuration_gives_identical_tables(runs):
     (items_a, steps_a), (items_b, steps_b) = runs["a"], runs["b"]
     pd.testing.assert_frame_equal(items_a, items_b, check_exact=True)
     pd.testing.assert_frame_equal(steps_a, steps_b, check_exact=True)
-    assert len(items_a) == 2 * 3 and len(steps_a) > 0
+    assert len(items_a) == 2 * 3 and len(steps_a) > 0  # n_items=2 × (full, snapkv/topk, snapkv/poisson)
 
 
 @pytest.mark.smollm2

@@ -163,6 +163,8 @@ def test_low_precision_model_certificates_are_finite(tiny_models, dtype, option,
     if option == "floor-bound-tail":
         assert at_floor
     if option == "tail-only-tiny-budget":
+        # round(0.05 · 64) = 3 retained, 1 of them the recent token: 2 tail tokens expected per head, and more
+        # than 8 has a chance below 3e-4 (Poisson tail of mean 2)
         assert min(tail_counts) <= 1 and max(tail_counts) <= 8, tail_counts
     if option == "all-certain":
         assert max(tail_counts) == 0
