@@ -147,6 +147,8 @@ def test_bootstrap_is_seeded_and_paired():
     assert max(abs(alone_y.low - (2 * ix.low + 1)), abs(alone_y.high - (2 * ix.high + 1))) > 1e-3
 
 
+# claims.yaml's verdict_rule with t = 0, m = 1: supported iff low > 0; else not supported iff high < 1; else
+# inconclusive (also for an undefined interval)
 @pytest.mark.parametrize("lo,hi,verdict", [
     (0.1, 0.5, verdicts.SUPPORTED), (-0.5, 0.5, verdicts.NOT_SUPPORTED), (-2.0, -0.5, verdicts.NOT_SUPPORTED),
     (-0.5, 1.5, verdicts.INCONCLUSIVE), (float("nan"), float("nan"), verdicts.INCONCLUSIVE),
