@@ -480,3 +480,28 @@ def test_paper_scale_plan_is_kvcert_plans_output():
     totals = [cells[f"{m}-longbench16k-streaming"][-4] for m in ("llama8b", "mistral7b")]
     assert max(float(f[-4]) for f in cells.values()) == float(totals[0])
     assert f"Llama and Mistral, need {totals[0]} and {totals[1]} GB" in prose
+
+
+def test_every_kvcert_name_in_the_docs_exists():
+    import importlib
+
+    for page in (README, DOCS / "library.md", DOCS / "pipeline.md"):
+        for dotted in sorted(set(re.findall(r"\bkvcert(?:\.[A-Za-z_]\w*)+", text(page)))):
+            parts = dotted.split(".")
+            for depth in range(len(parts), 0, -1):  # the longest importable module, then attributes
+                try:
+                    obj = importlib.import_module(".".join(parts[:depth]))
+                    break
+                except ImportError:
+                    continue
+            for attr in parts[depth:]:
+                assert hasattr(obj, attr), f"{page.relative_to(ROOT)} names {dotted}"
+                obj = getattr(obj, attr)
+    # The library section's table lists names `kvcert` exports.
+    import kvcert
+
+    for header, body in markdown_tables(DOCS / "library.md"):
+        if header[:2] == ["name", "what it is"]:
+            for cells in body:
+                for name in re.findall(r"`(\w+)", cells[0]):
+                    assert hasattr(kvcert, name) or name == "kvcert", name
