@@ -15,6 +15,7 @@ import yaml
 
 from kvcert.scales import (
     ScaleError,
+    cell_config,
     cell_overrides,
     derive,
     expand_cells,
@@ -22,6 +23,7 @@ from kvcert.scales import (
     longbench_subsets,
     needs_longbench_copy,
     override_value,
+    parse_overrides,
     shard_list,
     studies,
     study_cells,
@@ -83,7 +85,7 @@ def test_a_change_of_the_paper_scale_reaches_the_rehearsal(tmp_path):
     assert "budgets=[0.2,0.4]" in rehearse["grid"]
     assert rehearse["matrix"]["settings"] == ["streaming"]
     assert override_value(rehearse["matrix"]["data"]["ruler"], "data.haystack") == "prose"
-    assert override_value(rehearse["matrix"]["data"]["ruler"], "data.context_tokens") == "800"  # rehearse.yaml's substitute
+    assert override_value(rehearse["matrix"]["data"]["ruler"], "data.context_tokens") == 800  # rehearse.yaml's substitute
     assert all(name.endswith("-streaming") for name in expand_cells(rehearse))
 
 
@@ -118,6 +120,35 @@ def test_bad_derived_scales_are_one_line(tmp_path, case):
         (tmp_path / f"{name}.yaml").write_text(text)
     with pytest.raises(ScaleError, match=message):
         load_scale("a", tmp_path)
+
+
+def test_a_cell_is_typed_and_read_as_kvcert_run_reads_it():
+    paper = load_scale("paper", SCALES)
+    cell = expand_cells(paper)["qwen7b-ruler-streaming"]
+    values = parse_overrides(cell_overrides(paper, cell))
+    # paper.yaml: the grid's budgets and the matrix's setting, typed by Hydra's override grammar
+    assert values["budgets"] == [0.1, 0.25, 0.5, 0.75] and values["setting"] == "streaming"
+    assert isinstance(values["n_items"], int) and values["data"] == "ruler"
+    cfg = cell_config(paper, cell, ["out_dir=x"])
+    assert (cfg.n_items, list(cfg.budgets), cfg.setting) == (values["n_items"], values["budgets"], "streaming")
+    assert cfg.data.name == "ruler" and cfg.model.name == values["model.name"]
+
+
+BAD_CELLS = {  # cell spec -> the message
+    "typo": ({"model": "m", "overrides": ["budget=[0.5]"]}, "scale=x: cell c: override budget=...: budget is not a kvcert-run key"),
+    "nested-typo": ({"model": "m", "overrides": ["design_options.pimin=0.1"]}, "design_options.pimin is not a kvcert-run key"),
+    "shards": ({"model": "m", "shards": 0, "overrides": []}, r"scale=x: cell c: shards=0: expected an integer >= 1"),
+    "syntax": ({"model": "m", "overrides": ["budgets=[0.5"]}, "scale=x: cell c: "),
+    "model": ({"model": "n", "overrides": []}, r"scale=x: cell c: model 'n' is not in models \(m\)"),
+    "field": ({"model": "m", "overides": []}, "scale=x: cell c: overides: unknown field"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CELLS))
+def test_bad_cells_are_one_line(case):
+    spec, message = BAD_CELLS[case]
+    with pytest.raises(ScaleError, match=message):
+        expand_cells({"name": "x", "models": {"m": ["model=hf"]}, "cells": {"c": spec}})
 
 
 def test_longbench_cells_read_the_fetched_copy_unless_they_have_a_path():

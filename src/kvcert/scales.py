@@ -17,21 +17,43 @@ value at its path. Every path must exist in the base, so a derived scale can swa
 but cannot add cells, configurations or claims: whatever the base's matrix, grid and claims become,
 the derived scale follows.
 
-Both the Snakefile and ``kvcert-plan`` expand scales with :func:`expand_cells`, so the plan always
-describes the jobs the DAG runs.
+A cell is a typed mapping (``Cell``): its model key, its shards and its ``kvcert-run`` overrides. The
+overrides stay ``key=value`` strings in the file (the committed records were run from them); they are read
+with Hydra's override grammar (``parse_overrides``), their keys checked against the run configuration's
+schema (kvcert.defaults.RunConfig) when a scale is expanded, and ``cell_config`` composes a cell's typed
+configuration exactly as ``kvcert-run`` will.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TypedDict
 
 import yaml
+
+from .defaults import DesignKnobs, RunConfig
 
 
 class ScaleError(ValueError):
     """A scale file that cannot be read or derived; the message names the file and the key."""
+
+
+class Cell(TypedDict):
+    """One cell of a scale: a key of the scale's ``models``, its shards, its ``kvcert-run`` overrides."""
+
+    model: str
+    shards: int
+    overrides: list[str]
+
+
+# Keys an override may set: the schema's, design_options' own, and anything below the config groups and
+# policy_options (their loaders check those).
+_RUN_KEYS = {f.name for f in dataclasses.fields(RunConfig)} - {"defaults"}
+_DOTTED_KEYS = {f"design_options.{f.name}" for f in dataclasses.fields(DesignKnobs)}
+_OPEN_PREFIXES = ("data.", "model.", "policy_options.")
 
 
 def scale_names(scales_dir: str | Path) -> list[str]:
@@ -130,13 +152,13 @@ def derive(base: Mapping[str, Any], substitute: Mapping[str, Any], where: str = 
     return out
 
 
-def expand_cells(scale: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Cell name -> {model, shards, overrides}: the scale's listed cells plus its matrix.
+def expand_cells(scale: Mapping[str, Any]) -> dict[str, Cell]:
+    """Cell name -> ``Cell``: the scale's listed cells plus its matrix, each checked (``checked_cell``).
 
     Matrix cells are named ``<model>-<data>-<setting>`` and run the data's overrides, then the grid,
     then the setting.
     """
-    cells = {name: dict(spec) for name, spec in (scale.get("cells") or {}).items()}
+    cells = {name: dict(spec) if isinstance(spec, Mapping) else spec for name, spec in (scale.get("cells") or {}).items()}
     matrix = scale.get("matrix")
     if matrix:
         for model in matrix["models"]:
@@ -147,11 +169,29 @@ def expand_cells(scale: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                         "shards": matrix["shards"],
                         "overrides": list(data_overrides) + list(scale["grid"]) + [f"setting={setting}"],
                     }
-    for name, spec in cells.items():
-        if spec.get("model") not in (scale.get("models") or {}):
-            raise ScaleError(f"scale={scale.get('name', '?')}: cell {name}: model {spec.get('model')!r} "
-                             f"is not in models ({', '.join(scale.get('models') or {})})")
-    return cells
+    return {name: checked_cell(scale, name, spec) for name, spec in cells.items()}
+
+
+def checked_cell(scale: Mapping[str, Any], name: str, spec: Any) -> Cell:
+    """``spec`` as a ``Cell``, or a ScaleError naming the scale, the cell and the field or override at fault."""
+    where = f"scale={scale.get('name', '?')}: cell {name}"
+    if not isinstance(spec, Mapping):
+        raise ScaleError(f"{where}: expected a mapping of {', '.join(Cell.__annotations__)}")
+    unknown = sorted(set(spec) - set(Cell.__annotations__))
+    if unknown:
+        raise ScaleError(f"{where}: {unknown[0]}: unknown field; known: {', '.join(Cell.__annotations__)}")
+    if spec.get("model") not in (scale.get("models") or {}):
+        raise ScaleError(f"{where}: model {spec.get('model')!r} is not in models ({', '.join(scale.get('models') or {})})")
+    shards = spec.get("shards", 1)
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise ScaleError(f"{where}: shards={shards!r}: expected an integer >= 1")
+    overrides = spec.get("overrides") or []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise ScaleError(f"{where}: overrides={overrides!r}: expected a list of key=value strings")
+    for key in parse_overrides(overrides, where):
+        if key not in _RUN_KEYS and key not in _DOTTED_KEYS and not key.startswith(_OPEN_PREFIXES):
+            raise ScaleError(f"{where}: override {key}=...: {key} is not a kvcert-run key")
+    return Cell(model=str(spec["model"]), shards=shards, overrides=list(overrides))
 
 
 def studies(scale: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -178,9 +218,10 @@ def studies(scale: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def exploratory(scale: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """{study: {"cells": {variant: spec}}} of the scale's exploratory studies (one cell per variant)."""
-    return {name: {"cells": {variant: {"model": spec["model"], "shards": spec.get("shards", 1),
-                                       "overrides": [*spec["base"], *extra]}
+    """{study: {"cells": {variant: Cell}}} of the scale's exploratory studies (one cell per variant)."""
+    return {name: {"cells": {variant: checked_cell(scale, f"{name}/{variant}", {
+                                 "model": spec["model"], "shards": spec.get("shards", 1),
+                                 "overrides": [*spec["base"], *extra]})
                              for variant, extra in spec["variants"].items()}}
             for name, spec in (scale.get("exploratory") or {}).items()}
 
@@ -206,25 +247,44 @@ def cell_overrides(scale: Mapping[str, Any], cell: Mapping[str, Any]) -> list[st
     return list(scale["models"][cell["model"]]) + list(cell["overrides"])
 
 
-def override_value(overrides: list[str], key: str) -> str | None:
-    """The value a list of ``key=value`` overrides gives ``key`` (the last one wins), or None."""
-    value = None
-    for override in overrides:
-        name, _, text = override.partition("=")
-        if name.lstrip("+") == key:
-            value = text
-    return value
+def parse_overrides(overrides: list[str], where: str = "overrides") -> dict[str, Any]:
+    """``key=value`` overrides read with Hydra's override grammar, as kvcert-run reads them: {key: value} with
+    typed values (``n_items=30`` -> 30, ``'data.subsets=[a,b]'`` -> ['a', 'b'], ``null`` -> None); the last
+    override of a key wins, ``+`` (append) is dropped. A group choice (``data=ruler``) is the option's name."""
+    from hydra.errors import OverrideParseException
+
+    try:
+        parsed = _parser().parse_overrides(list(overrides))
+    except OverrideParseException as err:
+        raise ScaleError(f"{where}: {' '.join(str(err).split())}") from None
+    return {override.key_or_group: override.value() for override in parsed}
 
 
-def parse_list(text: str) -> list[str]:
-    """``[a,b]`` (Hydra list syntax, unquoted names) -> ['a', 'b']."""
-    return [part.strip().strip("'\"") for part in text.strip().strip("[]").split(",") if part.strip()]
+@functools.lru_cache(maxsize=1)
+def _parser():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create()
+
+
+def override_value(overrides: list[str], key: str) -> Any:
+    """The value a list of ``key=value`` overrides gives ``key`` (``parse_overrides``; the last one wins), or None."""
+    return parse_overrides(overrides).get(key)
+
+
+def cell_config(scale: Mapping[str, Any], cell: Cell, extra: list[str] = ()):
+    """The cell's kvcert-run configuration, composed and typed as the runner composes it (a DictConfig of
+    kvcert.defaults.RunConfig); ``extra`` overrides come last."""
+    from .hydra_app import compose
+
+    return compose([*cell_overrides(scale, cell), *extra])
 
 
 def needs_longbench_copy(scale: Mapping[str, Any], cell: Mapping[str, Any]) -> bool:
     """Whether a cell reads LongBench from the hub (no data.path), so that it needs the fetched copy."""
     overrides = cell_overrides(scale, cell)
-    return override_value(overrides, "data") == "longbench" and override_value(overrides, "data.path") in (None, "null")
+    values = parse_overrides(overrides)
+    return values.get("data") == "longbench" and values.get("data.path") is None
 
 
 def longbench_subsets(scale: Mapping[str, Any], cells: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -235,7 +295,7 @@ def longbench_subsets(scale: Mapping[str, Any], cells: Mapping[str, Mapping[str,
     for cell in cells.values():
         if needs_longbench_copy(scale, cell):
             listed = override_value(cell_overrides(scale, cell), "data.subsets")
-            for subset in parse_list(listed) if listed else DEFAULTS["subsets"]:
+            for subset in listed or DEFAULTS["subsets"]:
                 if subset not in subsets:
                     subsets.append(subset)
     return subsets
