@@ -505,3 +505,46 @@ def test_every_kvcert_name_in_the_docs_exists():
             for cells in body:
                 for name in re.findall(r"`(\w+)", cells[0]):
                     assert hasattr(kvcert, name) or name == "kvcert", name
+
+
+def _top_level_split(cell):
+    """Split a defaults cell on the commas outside brackets and braces."""
+    parts, depth, current = [], 0, ""
+    for char in cell:
+        depth += (char in "[{") - (char in "]}")
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return [p.strip().strip("`").strip() for p in [*parts, current]]
+
+
+def test_kvcert_run_key_table_is_the_schema():
+    """docs/library.md's kvcert-run table lists every key of kvcert.defaults.RunConfig with its default."""
+    import dataclasses
+
+    from omegaconf import MISSING
+
+    from kvcert.defaults import RUN
+
+    table = next(body for header, body in markdown_tables(DOCS / "library.md") if header[:2] == ["key", "default"])
+    documented = {}
+    for cells in table:
+        keys = re.findall(r"`(\w+)`", cells[0])
+        values = _top_level_split(cells[1]) if len(keys) > 1 else [cells[1].strip("`")]
+        assert len(values) == len(keys), cells
+        documented.update(zip(keys, values))
+    fields = [f.name for f in dataclasses.fields(RUN) if f.name != "defaults"]
+    assert sorted(documented) == sorted(fields)
+    groups = {next(iter(d)): d[next(iter(d))] for d in RUN.defaults if isinstance(d, dict)}
+    for key, shown in documented.items():
+        value = getattr(RUN, key)
+        if key in groups:
+            assert shown == groups[key], key
+        elif dataclasses.is_dataclass(value):
+            assert yaml.safe_load("{" + shown + "}") == dataclasses.asdict(value), key
+        elif value == MISSING:
+            assert shown == "required", key
+        else:
+            assert yaml.safe_load(shown) == value, (key, shown, value)
