@@ -329,7 +329,8 @@ def test_reproduction_table_is_reproduction_csv():
 # columns). The figures are the selected rows' columns in order, compared at the decimals shown.
 PROSE = [
     ("v1.md", "coverage 0.965, Spearman 0.925", "0.965, Spearman 0.925", "reproduction.csv",
-     [{"study": "v1", "quantity": "certificate coverage"}, {"study": "v1", "quantity": "Spearman(certificate, true error)"}],
+     [{"study": "v1", "quantity": "certificate coverage"},
+      {"study": "v1", "quantity": "Spearman(certificate, true error)"}],
      ["ours"]),
     ("v1.md", "C6's attribution AUC (0.55)", "(0.55)", "claims.csv", [{"study": "v1", "claim": "c6"}], ["estimate"]),
     ("v2.md", "supports C1 alone (−0.38\n  [−0.95, 0])", "(−0.38\n  [−0.95, 0])", "claims_by_model.csv",
@@ -359,6 +360,36 @@ PROSE = [
     ("v3.md", "(+0.60 [0, 1.31])", "(+0.60 [0, 1.31])", "claims.csv", [{"study": "v3", "claim": "c7"}],
      ["estimate", "ci_low", "ci_high"]),
     ("v3.md", "C5's pooled gain (+5.4)", "(+5.4)", "claims.csv", [{"study": "v3", "claim": "c5"}], ["estimate"]),
+    ("v1.md", "(median 0.029 vs 0.063;", "0.029 vs 0.063", "reproduction.csv",
+     [{"study": "v1", "quantity": "median relative error at 25%: Poisson+Hajek"},
+      {"study": "v1", "quantity": "median relative error at 25%: top-k"}], ["ours"]),
+    ("v1.md", "AUC 0.88 vs 0.82", "0.88 vs 0.82", "reproduction.csv",
+     [{"study": "v1", "quantity": "failure-prediction AUC: confidence"},
+      {"study": "v1", "quantity": "failure-prediction AUC: certificate"}], ["ours"]),
+    ("v2.md", "coverage 0.973 [0.970, 0.976]", "0.973 [0.970, 0.976]", "reproduction.csv",
+     [{"study": "v2", "quantity": "certificate coverage"}], ["ours", "ci_low", "ci_high"]),
+    ("v2.md", "Spearman 0.931 with", "0.931", "reproduction.csv",
+     [{"study": "v2", "quantity": "Spearman(certificate, true error)"}], ["ours"]),
+    ("v2.md", "relative error 0.020 against top-k's 0.050", "0.020 against top-k's 0.050", "reproduction.csv",
+     [{"study": "v2", "quantity": "median relative error at 25%: Poisson+Hajek"},
+      {"study": "v2", "quantity": "median relative error at 25%: top-k"}], ["ours"]),
+    ("v2.md", "AUC 0.958 vs 0.939, difference", "0.958 vs 0.939", "reproduction.csv",
+     [{"study": "v2", "quantity": "failure-prediction AUC: confidence"},
+      {"study": "v2", "quantity": "failure-prediction AUC: certificate"}], ["ours"]),
+    ("v2.md", "difference −0.019 [−0.034, −0.006]", "−0.019 [−0.034, −0.006]", "claims.csv",
+     [{"study": "v2", "claim": "c4"}], ["estimate", "ci_low", "ci_high"]),
+    ("v2.md", "+0.74 [0.22, 1.27] points over random gating", "+0.74 [0.22, 1.27]", "reproduction.csv",
+     [{"study": "v2", "quantity": "recompute gain over random gating (points)"}], ["ours", "ci_low", "ci_high"]),
+    ("v3.md", "coverage is 0.970 [0.968, 0.973] (v2", "0.970 [0.968, 0.973]", "reproduction.csv",
+     [{"study": "v3", "quantity": "certificate coverage"}], ["ours", "ci_low", "ci_high"]),
+    ("v3.md", "(AUC 0.969\nvs 0.946)", "0.969\nvs 0.946", "reproduction.csv",
+     [{"study": "v3", "quantity": "failure-prediction AUC: confidence"},
+      {"study": "v3", "quantity": "failure-prediction AUC: certificate"}], ["ours"]),
+    ("v3.md", "with Spearman\n0.926 the binding component", "0.926", "claims.csv", [{"study": "v3", "claim": "c3"}],
+     ["estimate"]),
+    ("v3.md", "relative error 0.021 vs top-k 0.054", "0.021 vs top-k 0.054", "reproduction.csv",
+     [{"study": "v3", "quantity": "median relative error at 25%: Poisson+Hajek"},
+      {"study": "v3", "quantity": "median relative error at 25%: top-k"}], ["ours"]),
 ]
 
 
@@ -433,7 +464,8 @@ def test_sensitivity_table_is_sensitivity_csv():
 
 
 def test_readme_states_verify_results_tolerance():
-    spec = importlib.util.spec_from_file_location("compare_results", ROOT / "workflow" / "scripts" / "compare_results.py")
+    script = ROOT / "workflow" / "scripts" / "compare_results.py"
+    spec = importlib.util.spec_from_file_location("compare_results", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     stated = re.search(r"every other number within ([\d.e+-]+) relative", " ".join(text(README).split()))
@@ -462,7 +494,13 @@ def test_paper_scale_plan_is_kvcert_plans_output():
     page = text(DOCS / "cluster.md")
     shown = page.split("$ kvcert-plan scale=paper\n", 1)[1].split("```", 1)[0]
     printed = render(plan_scale("paper", ROOT)) + "\n"
-    assert shown == printed, "docs/cluster.md's kvcert-plan output is stale: paste `kvcert-plan scale=paper` again"
+
+    def jobs(block):  # the jobs per rule, in whatever order the plan lists them
+        line = next(line for line in block.splitlines() if line.startswith("jobs per rule: "))
+        return dict(re.findall(r"(\w+) (\d+)", line)), [l for l in block.splitlines() if l != line]
+
+    assert jobs(shown) == jobs(printed), \
+        "docs/cluster.md's kvcert-plan output is stale: paste `kvcert-plan scale=paper` again"
     hours = dict(re.findall(r"^(\S+)\s+[\d.]+\s+([\d.]+)\s+\d+$", printed, flags=re.M))
     gpu_hours = dict(re.findall(r"^(\S+)\s+[\d.]+\s+[\d.]+\s+(\d+)$", printed, flags=re.M))
     prose = " ".join(page.split())
@@ -556,3 +594,23 @@ def test_device_check_section_names_the_paper_scales_dtype():
     dtypes = {o.split("=", 1)[1] for overrides in load_scale("paper", SCALES)["models"].values()
               for o in overrides if str(o).startswith("model.dtype=")}
     assert len(dtypes) == 1 and f"in the paper scale's dtype ({dtypes.pop()})" in " ".join(page.split())
+
+
+ACCURACY_LINE = re.compile(
+    r"SmolLM2 top-k ([\d.]+) / ([\d.]+), Poisson ([\d.]+) / ([\d.]+); Gemma 3\s+top-k ([\d.]+) / ([\d.]+), "
+    r"Poisson ([\d.]+) / ([\d.]+); streaming SnapKV Poisson at 25%: SmolLM2 ([\d.]+), Gemma 3 ([\d.]+); uniform\s+"
+    r"sampling at 25% \(oracle items\): SmolLM2 ([\d.]+), Gemma 3 ([\d.]+)\.")
+
+
+@pytest.mark.parametrize("study", ["v3", "v2-full"])
+def test_accuracy_sentence_is_accuracy_csv(study):
+    found = ACCURACY_LINE.search(text(STUDY_DOCS / f"{study}.md"))
+    assert found, f"docs/studies/{study}.md lost its accuracy sentence"
+    pooled = pooled_accuracy(study, ["model", "setting", "policy", "design", "budget"])
+    keys = [(model, "question_aware", "snapkv", design, budget) for model in ("smollm2", "gemma3")
+            for design in ("topk", "poisson") for budget in (0.25, 0.5)]
+    keys += [(model, "streaming", "snapkv", "poisson", 0.25) for model in ("smollm2", "gemma3")]
+    keys += [(model, "question_aware", "uniform", "poisson", 0.25) for model in ("smollm2", "gemma3")]
+    for key, shown in zip(keys, found.groups(), strict=True):
+        decimals = len(shown.split(".")[1]) if "." in shown else 0
+        assert same_shown(pooled[key][0], float(shown), decimals), (key, shown)
