@@ -172,11 +172,11 @@ def test_the_dag_runs_the_jobs_the_expansion_lists(scale):
     assert int(counts["cell"]) == len(shard_list(study_cells(loaded)))
     computed = [name for name, st in studies(loaded).items() if not st["archived"]]
     assert int(counts.get("claim", 0)) == 7 * len(computed)
-    # kvcert-plan's job count is the DAG's (the fetch rules and verify_preregistration run only when their
-    # outputs are missing, so a dry run may not list them).
+    # kvcert-plan reads its job count from the DAG, every job forced (the fetch rules and verify_preregistration
+    # run only when their outputs are missing, so this dry run may not list them).
     from kvcert.plan import plan_jobs
 
-    planned = plan_jobs(loaded)
+    planned = plan_jobs(scale, ROOT)
     skipped = {"fetch_model", "fetch_longbench", "verify_preregistration"}
     assert {k: v for k, v in planned.items() if k not in skipped} == {
         k: int(v) for k, v in counts.items() if k not in skipped | {"total"}}

@@ -5,7 +5,8 @@
 Expands the scale exactly as the Snakefile does (``kvcert.scales``), composes each cell's ``kvcert-run``
 configuration as the runner would, and prints:
 
-* jobs per rule;
+* jobs per rule, as the DAG itself lists them (a dry run of the workflow in a subprocess, every job forced, so
+  that outputs already there do not hide any);
 * per cell: the model, its prompt length, peak memory from the cost model (``kvcert.costs``: weights,
   the full cache, the largest compressed batch, the certificate's moments, the oracle's transients)
   and whether it fits 40, 80 and 141 GB GPUs;
@@ -22,14 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
+import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .costs import GB, Architecture, Batch, CellPlan, Device, Prompt, item_seconds, peak_bytes
-from .scales import (ScaleError, cell_overrides, exploratory, load_scale, longbench_subsets, shard_list, studies,
-                     study_cells)
+from .scales import ScaleError, cell_config, load_scale, study_cells
 
 # Host work per layer and forward pass of a 9-row decode batch with oracle and certificates (Python,
 # dispatch, the cache's bookkeeping): 2.0 ms measured with benchmarks/plan_check.py on the 2-core machine
@@ -71,14 +75,22 @@ class CellCost:
         return self.peak["total"] + GPU_RESERVE_GB * GB <= size_gb * GB
 
 
+# A cell is planned as its first shard composes it (the shard only picks the items).
+_AS_PLANNED = ["out_dir=plan", "shard=0", "n_shards=1"]
+
+
 def compose_cell(overrides: list[str]):
     """The cell's resolved kvcert-run config (as the runner composes it) and its validated CellConfig."""
+    from .hydra_app import compose
+
+    return _checked(compose([*overrides, *_AS_PLANNED]))
+
+
+def _checked(cfg):
     from omegaconf import OmegaConf
 
-    from .hydra_app import compose
     from .runner.config import validate
 
-    cfg = compose([*overrides, "out_dir=plan", "shard=0", "n_shards=1"])
     plain = OmegaConf.to_container(cfg, resolve=True)
     return plain, validate(plain)
 
@@ -133,29 +145,24 @@ def cell_plan(config, run_cfg: dict[str, Any], dtype: str, device_type: str) -> 
     )
 
 
-def plan_jobs(scale: dict[str, Any]) -> dict[str, int]:
-    """Jobs per rule of a loaded scale, as the workflow instantiates them (``snakemake -n`` lists the same,
-    less the fetch rules and verify_preregistration when their outputs exist)."""
-    found, explore, by_study = studies(scale), exploratory(scale), study_cells(scale)
-    cells = {f"{study}/{cell}": spec for (study, cell), spec in by_study.items()}
-    computed = [name for name, st in found.items() if not st["archived"]]
-    jobs = {"cell": len(shard_list(cells))}
-    # The other rules as the workflow instantiates them: per computed study (claims, accuracy), per study
-    # that runs its own cells outside the exploratory ones (calibration by layer), per exploratory study
-    # (sensitivity table), once for the tables and notebooks of a scale with studies, and Snakemake's `all`.
-    calibrated = {study for study, _ in by_study} - set(explore)
-    jobs.update({"fetch_model": len({c["model"] for c in cells.values()}), "verify_preregistration": 1})
-    if found:
-        jobs.update({"claim": 7 * len(computed), "accuracy": len(computed), "aggregate": 1, "notebook_claims": 1,
-                     "notebook_certificates": 1, "publish_notebook": 2})
-    if calibrated:
-        jobs["calibration_by_layer"] = len(calibrated)
-    if explore:
-        jobs["sensitivity_table"] = len(explore)
-    jobs["all"] = 1
-    if longbench_subsets(scale, cells):
-        jobs["fetch_longbench"] = 1
-    return jobs
+def plan_jobs(name: str, root: Path) -> dict[str, int]:
+    """Jobs per rule of scale ``name``'s DAG, most jobs first: ``snakemake --dry-run --forceall --quiet rules``
+    run in ``root`` (the fetch rules and verify_preregistration included, whether or not their outputs exist)."""
+    bin_dir = Path(sys.executable).parent
+    snakemake = shutil.which("snakemake", path=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    if snakemake is None:
+        raise LookupError("snakemake: not found beside this Python or on PATH; the plan reads the jobs from the DAG "
+                          "(install the project's environment)")
+    proc = subprocess.run([snakemake, "--dry-run", "--forceall", "--quiet", "rules", "--nolock", "--config",
+                           f"scale={name}"], cwd=root, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        raise ValueError(f"scale={name}: the workflow's dry run failed: {lines[-1] if lines else proc.returncode}")
+    stats = (proc.stdout + proc.stderr).split("Job stats:", 1)[-1].split("\ntotal", 1)[0]
+    jobs = {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", stats, flags=re.M)}
+    if not jobs:
+        raise ValueError(f"scale={name}: the workflow's dry run listed no jobs")
+    return dict(sorted(jobs.items(), key=lambda item: (-item[1], item[0])))
 
 
 def plan_scale(name: str, root: Path, overhead: float = HOST_OVERHEAD_PER_LAYER_PASS) -> dict[str, Any]:
@@ -166,7 +173,7 @@ def plan_scale(name: str, root: Path, overhead: float = HOST_OVERHEAD_PER_LAYER_
     costs: list[CellCost] = []
     configs: dict[str, Any] = {}
     for cell_name, cell in cells.items():
-        run_cfg, config = compose_cell(cell_overrides(scale, cell))
+        run_cfg, config = _checked(cell_config(scale, cell, _AS_PLANNED))
         model = run_cfg["model"]
         model_key = cell["model"]
         if model_key not in configs:
@@ -182,7 +189,7 @@ def plan_scale(name: str, root: Path, overhead: float = HOST_OVERHEAD_PER_LAYER_
         costs.append(CellCost(cell_name, model_key, str(run_cfg["data"].get("name")), config.setting,
                               int(cell["shards"]), config.n_items, max(p.n + p.suffix for _, p in prompts),
                               dtype, peak, seconds))
-    return {"scale": scale, "cells": costs, "jobs": plan_jobs(scale), "architectures": configs, "overhead": overhead}
+    return {"scale": scale, "cells": costs, "jobs": plan_jobs(name, root), "architectures": configs, "overhead": overhead}
 
 
 def _gb(x: float) -> str:
