@@ -52,7 +52,9 @@ def numbers(snippet):
 
 
 def same_shown(value, shown, decimals):
-    return abs(round(float(value), decimals) - shown) < 10 ** -(decimals + 3)
+    """Whether ``shown`` (``decimals`` decimals) is ``value`` rounded; ties either way, since a committed table
+    may itself hold a rounded value (0.735 may be 0.7352)."""
+    return abs(float(value) - shown) <= 0.5 * 10 ** -decimals + 1e-9
 
 
 def markdown_tables(page):
@@ -614,3 +616,23 @@ def test_accuracy_sentence_is_accuracy_csv(study):
     for key, shown in zip(keys, found.groups(), strict=True):
         decimals = len(shown.split(".")[1]) if "." in shown else 0
         assert same_shown(pooled[key][0], float(shown), decimals), (key, shown)
+
+
+def test_held_out_check_table_is_the_third_confirmations():
+    """docs/calibration.md's held-out check on Gemma 3 reads results/calibration/confirmation/third-confirmation.md."""
+    record = {}
+    for header, body in markdown_tables(RESULTS / "calibration" / "confirmation" / "third-confirmation.md"):
+        if "cov_cal" in header:
+            record.update({(r["policy"], float(r["budget"])): r for r in (dict(zip(header, c)) for c in body)})
+    table = next(body for header, body in markdown_tables(DOCS / "calibration.md") if header[:2] == ["π", "budget"])
+    assert len(table) == len(record) == 8
+    for pi, budget, paper, calibrated, width, rho in table:
+        r = record[({"SnapKV": "snapkv", "flat": "uniform"}[pi], float(budget))]
+        for shown, columns in ((paper, ("cov", "worst", "below94")),
+                               (calibrated, ("cov_cal", "worst_cal", "below94_cal"))):
+            for part, column in zip(shown.split(", "), columns, strict=True):
+                decimals = len(part.split(".")[1]) if "." in part else 0
+                assert same_shown(r[column], float(part), decimals), (pi, budget, column, part)
+        assert width.startswith("∞") if r["width"] == "inf" else same_shown(r["width"], float(width), 2), width
+        for part, column in zip(rho.split(" / "), ("rho", "rho_cal"), strict=True):
+            assert same_shown(r[column], float(part), 2), (pi, budget, column)
