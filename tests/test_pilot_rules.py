@@ -116,3 +116,61 @@ def test_choose_writes_the_rows_and_the_population(tmp_path, rules, pilot_script
         src.write_text("\n".join(lines[:2]) + "\n")
         pilot_script.main(["choose", "--amendment", str(amendment), "--pilot", str(src), "--csv",
                            str(tmp_path / "p.csv"), "--out", str(tmp_path / "q.yaml")])
+
+
+class _Item:
+    def __init__(self, task, index):
+        self.id, self.task, self.index = f"{task}/{index}", task, index
+
+
+def _fake_runner(pilot_script, rules, calls):
+    """A Runner whose outcomes are a fixed function of (task, item, configuration): no model."""
+    acc = {"niah_multikey_2": 0.7, "vt_1": 0.6, "cwe_2": 0.75}  # in band; every other variant answers nothing
+
+    class Fake(pilot_script.Runner):
+        def __init__(self):
+            self.name, self.pilot = "fake", rules
+
+        def items(self, variant, n):
+            return [_Item(pilot_script._label(variant), i) for i in range(n)]
+
+        def outcomes(self, item, setting, configs, window=16, kernels=(5,)):
+            calls.append((item.task, setting, window))
+            p = acc.get(item.task, 0.0)
+            full = (item.index * 7919 % 100) / 100 < p
+            out = {}
+            for kernel in kernels:
+                for design, budget, seed in configs:
+                    if design == "full":
+                        out[(None, "full", 1.0, 0)] = full
+                    else:
+                        kept = (item.index + seed + window + kernel) % 3 != 0 if setting == "question_aware" else \
+                            (item.index + seed) % 2 == 0
+                        out[(kernel, design, budget, seed)] = full and kept
+            return out
+
+    return Fake()
+
+
+def test_the_stages_run_in_order_and_a_rerun_resumes_from_the_saved_rows(tmp_path, rules, pilot_script):
+    calls = []
+    out = tmp_path / "pilot-fake.csv"
+    rows = pilot_script.pilot_amendment_4(_fake_runner(pilot_script, rules, calls), out)
+    assert out.is_file() and not out.with_name(out.name + ".partial").exists()
+    stages = [r["stage"] for r in rows]
+    assert stages == sorted(stages, key=lambda st: st.replace("D", "C"))  # A, then B, then C and D per variant
+    assert {r["task"] for r in rows if r["stage"] == "B"} == {"niah_multikey_2", "vt_1", "cwe_2"}
+    assert len([r for r in rows if r["stage"] == "B"]) == 3 * 12
+    assert {(r["stage"], r["design"]) for r in rows if r["stage"] in "CD"} == {
+        ("C", "topk"), ("C", "poisson"), ("D", "full"), ("D", "poisson")}
+    d = next(r for r in rows if r["stage"] == "D" and r["design"] == "poisson" and r["task"] == "vt_1")
+    assert d["n_fail_inherent"] + d["n_fail_cache"] == d["n_runs"] - d["n_correct"]
+    # Interrupted after stage A: the rerun recomputes stages B-D only and writes the same rows.
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(pilot_script._csv([r for r in rows if r["stage"] == "A"], pilot_script.COLUMNS_4))
+    first = len(calls)
+    calls.clear()
+    again = pilot_script.pilot_amendment_4(_fake_runner(pilot_script, rules, calls), tmp_path / "pilot-fake.csv")
+    assert pilot_script._csv(again, pilot_script.COLUMNS_4) == out.read_text()
+    assert len(calls) == first - sum(r["n_items"] for r in rows if r["stage"] == "A")  # stage A was not rerun
+    assert {task for task, _, _ in calls} == {"niah_multikey_2", "vt_1", "cwe_2"}

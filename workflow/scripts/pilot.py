@@ -292,28 +292,28 @@ def run_stage_b(runner: Runner, family: str, variant: dict) -> list[dict]:
     return [runner.row("B", family, variant, "question_aware", "topk", 0.5, w, k, per, share) for (w, k), per in outcomes.items()]
 
 
-def run_stage_cd(runner: Runner, family: str, variant: dict, pair: tuple[int, int]) -> list[dict]:
-    items = runner.items(variant, int(runner.pilot["n_items_compressed"]))
+STAGES_CD = {
+    "C": ("question_aware", [("topk", 0.25, 0)] + [("poisson", 0.25, s) for s in POISSON_SEEDS]),
+    "D": ("streaming", [("full", 1.0, 0)] + [("poisson", 0.25, s) for s in POISSON_SEEDS]),
+}
+
+
+def run_stage_cd(runner: Runner, family: str, variant: dict, pair: tuple[int, int], stage: str) -> list[dict]:
+    """Stage C or D of one variant at the model's (window, kernel): one row per design."""
+    setting, configs = STAGES_CD[stage]
     window, kernel = pair
-    rows = []
-    for stage, setting, configs in (
-        ("C", "question_aware", [("topk", 0.25, 0)] + [("poisson", 0.25, s) for s in POISSON_SEEDS]),
-        ("D", "streaming", [("full", 1.0, 0)] + [("poisson", 0.25, s) for s in POISSON_SEEDS]),
-    ):
-        by_design: dict[str, list] = {}
-        cpu = 0.0
-        for item in items:
-            start = time.process_time()
-            got = runner.outcomes(item, setting, configs, window=window, kernels=(kernel,))
-            cpu += time.process_time() - start
-            for design in dict.fromkeys(d for d, _, _ in configs):
-                by_design.setdefault(design, []).append([v for key, v in got.items() if key[1] == design])
-        full = [o[0] for o in by_design["full"]] if "full" in by_design else None
-        for design, per_item in by_design.items():
-            budget = 1.0 if design == "full" else 0.25
-            rows.append(runner.row(stage, family, variant, setting, design, budget, window, kernel, per_item,
-                                   cpu / len(by_design), full=full if design == "poisson" else None))
-    return rows
+    by_design: dict[str, list] = {}
+    cpu = 0.0
+    for item in runner.items(variant, int(runner.pilot["n_items_compressed"])):
+        start = time.process_time()
+        got = runner.outcomes(item, setting, configs, window=window, kernels=(kernel,))
+        cpu += time.process_time() - start
+        for design in dict.fromkeys(d for d, _, _ in configs):
+            by_design.setdefault(design, []).append([v for key, v in got.items() if key[1] == design])
+    full = [o[0] for o in by_design["full"]] if "full" in by_design else None
+    return [runner.row(stage, family, variant, setting, design, 1.0 if design == "full" else 0.25, window, kernel,
+                       per_item, cpu / len(by_design), full=full if design == "poisson" else None)
+            for design, per_item in by_design.items()]
 
 
 def _say(row: dict) -> None:
@@ -321,25 +321,32 @@ def _say(row: dict) -> None:
 
 
 def pilot_amendment_4(runner: Runner, out: Path) -> list[dict]:
-    """Stages A-D for one model; the rows are written after every stage (a killed pilot keeps what it ran)."""
+    """Stages A-D for one model. Rows are saved after every variant to ``<out>.partial``, and a rerun reuses the
+    rows found there (the stages are deterministic: a resumed pilot writes what an uninterrupted one would);
+    ``out`` is written at the end and the partial file removed."""
     pilot, model, rows = runner.pilot, runner.name, []
+    partial = out.with_name(out.name + ".partial")
+    found = [r for r in read_rows([partial]) if r["model"] == model] if partial.is_file() else []
 
-    def save():
-        write_text_atomic(_csv(rows, COLUMNS_4), out)
+    def stage(name: str, task: str, run) -> None:
+        kept = [r for r in found if r["stage"] == name and r["task"] == task]
+        rows.extend(kept or run())
+        for row in ([] if kept else rows[-1:]):
+            _say(row)
+        write_text_atomic(_csv(rows, COLUMNS_4), partial)
 
-    for family, variant in variants_in_order(pilot):
-        rows.append(run_stage_a(runner, family, variant))
-        _say(rows[-1])
-    save()
     variant_of = {_label(v): v for _, v in variants_in_order(pilot)}
+    for family, variant in variants_in_order(pilot):
+        stage("A", _label(variant), lambda: [run_stage_a(runner, family, variant)])
     for family, task in stage_b_tasks(rows, model, pilot):
-        rows += run_stage_b(runner, family, variant_of[task])
-        save()
+        stage("B", task, lambda: run_stage_b(runner, family, variant_of[task]))
     pair = choose_pair(rows, model, pilot)
     print(f"{model}: window {pair[0]}, kernel {pair[1]}", file=sys.stderr, flush=True)
     for family, task in in_band_tasks(rows, model, pilot):
-        rows += run_stage_cd(runner, family, variant_of[task], pair)
-        save()
+        for name in ("C", "D"):
+            stage(name, task, lambda: run_stage_cd(runner, family, variant_of[task], pair, name))
+    write_text_atomic(_csv(rows, COLUMNS_4), out)
+    partial.unlink(missing_ok=True)
     return rows
 
 
