@@ -139,11 +139,7 @@ KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "default
 DESIGN_KNOBS = (*(f.name for f in dataclasses.fields(DesignKnobs) if f.metadata.get("design_knob")),
                 *sorted(f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("design_knob")))
 
-# Aliases of the library's signatures (kvcert.sampling, kvcert.designs, kvcert.estimator, kvcert.calibration).
-N_SINK = DESIGN.n_sink
-N_RECENT = DESIGN.n_recent
-HEAD_FRACTION = DESIGN.head_fraction
-PI_MIN = DESIGN.pi_min
+# kvcert.estimator and kvcert.generation still import these two names; the values are the schema's.
 OBSERVATION_WINDOW = RUN.observation_window
 DELTA = RUN.delta
 
@@ -178,7 +174,6 @@ def _yaml(value: Any) -> str:
 
 
 __all__ = [
-    "CALIBRATE_KEYS", "DELTA", "DESIGN", "DESIGN_KNOBS", "HEAD_FRACTION", "IDENTITY_KEYS", "KEYS", "MISSING", "N_RECENT",
-    "N_SINK", "OBSERVATION_WINDOW", "PI_MIN", "RUN", "CalibrateConfig", "DesignKnobs", "GridKnobs", "RunConfig",
-    "knob", "yaml_lines",
+    "CALIBRATE_KEYS", "DELTA", "DESIGN", "DESIGN_KNOBS", "IDENTITY_KEYS", "KEYS", "MISSING", "OBSERVATION_WINDOW", "RUN",
+    "CalibrateConfig", "DesignKnobs", "GridKnobs", "RunConfig", "knob", "yaml_lines",
 ]

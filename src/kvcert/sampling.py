@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from . import defaults
+from .defaults import DESIGN
 
-DEFAULT_N_SINK = defaults.N_SINK
-DEFAULT_N_RECENT = defaults.N_RECENT
-DEFAULT_HEAD_FRACTION = defaults.HEAD_FRACTION
-DEFAULT_PI_MIN = defaults.PI_MIN
+# kvcert.designs still imports these names for DesignOptions' defaults; the values are the schema's.
+DEFAULT_N_SINK = DESIGN.n_sink
+DEFAULT_N_RECENT = DESIGN.n_recent
+DEFAULT_HEAD_FRACTION = DESIGN.head_fraction
+DEFAULT_PI_MIN = DESIGN.pi_min
 
 
 def certain_mask(n: int, n_sink: int, n_recent: int, device=None) -> torch.Tensor:
@@ -23,12 +24,12 @@ def certain_mask(n: int, n_sink: int, n_recent: int, device=None) -> torch.Tenso
     return (pos < n_sink) | (pos >= n - n_recent)
 
 
-def minimum_count(n: int, n_sink: int = DEFAULT_N_SINK, n_recent: int = DEFAULT_N_RECENT) -> int:
+def minimum_count(n: int, n_sink: int = DESIGN.n_sink, n_recent: int = DESIGN.n_recent) -> int:
     """The smallest retained count a design allows: the sinks plus the recent window (or n)."""
     return min(n, n_sink + n_recent)
 
 
-def retained_count(budget: float, n: int, n_sink: int = DEFAULT_N_SINK, n_recent: int = DEFAULT_N_RECENT) -> int:
+def retained_count(budget: float, n: int, n_sink: int = DESIGN.n_sink, n_recent: int = DESIGN.n_recent) -> int:
     """Retained tokens (expected, for the Poisson design) for a budget fraction of n tokens: round(budget·n),
     raised to the sinks + recent window minimum, so never 0."""
     if not 0.0 < budget <= 1.0:
@@ -68,10 +69,10 @@ def inclusion_probabilities(
     scores: torch.Tensor,
     expected_count: float,
     *,
-    n_sink: int = DEFAULT_N_SINK,
-    n_recent: int = DEFAULT_N_RECENT,
-    head_fraction: float = DEFAULT_HEAD_FRACTION,
-    pi_min: float = DEFAULT_PI_MIN,
+    n_sink: int = DESIGN.n_sink,
+    n_recent: int = DESIGN.n_recent,
+    head_fraction: float = DESIGN.head_fraction,
+    pi_min: float = DESIGN.pi_min,
 ) -> torch.Tensor:
     """Inclusion probabilities π for the randomized design.
 
