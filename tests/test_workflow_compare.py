@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,4 +116,4 @@ def test_an_unknown_study_is_one_line(capsys):
     assert err == ["verify-results: error: STUDIES=v9: unknown study; known (workflow/scales/default.yaml): "
                    + ", ".join(compare_results.known_studies())]
     assert compare_results.main(["--check", "v3"]) == 0
-    assert set(compare_results.known_studies()) == set(__import__("pandas").read_csv(ROOT / "results" / "claims.csv")["study"])
+    assert set(compare_results.known_studies()) == set(pd.read_csv(ROOT / "results" / "claims.csv")["study"])
