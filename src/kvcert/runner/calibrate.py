@@ -22,9 +22,9 @@ import traceback
 from pathlib import Path
 
 from ..atomic import unwritable_reason
-from ..calibration import (BASES, UNITS, Calibration, default_level, design_knobs, fit_calibration, knob_label,
+from ..calibration import (Calibration, default_level, design_knobs, fit_calibration, knob_label,
                            model_identity, needed_prompts)
-from ..defaults import CALIBRATE_KEYS
+from ..defaults import CALIBRATE_KEYS, CalibrateConfig
 from ..errors import ConfigError, UsageError
 from ..hydra_app import check_top_level_keys, compose_or_show, missing_keys, one_line
 from ..models import ModelSpec, load_model, model_fingerprint
@@ -35,21 +35,14 @@ _OWN_KEYS = CALIBRATE_KEYS  # the fit's own keys, beside the run's
 
 
 def _options(cfg) -> dict:
-    """The fit's own options, checked: level (None: the default, 1 − delta/5), unit, base, relative_term,
-    never_below_paper."""
-    from .config import _flag, _number
+    """The fit's own options, checked against the schema (kvcert.defaults.CalibrateConfig): level (None: the
+    default, 1 − delta/5), unit, base, relative_term, never_below_paper."""
+    from .config import check_keys
 
-    level = cfg.get("level")
-    if level is not None:
-        level = _number(cfg, "level", float, low=0.0, high=1.0, low_open=True)
-        if level == 1.0:
-            raise ConfigError("level=1.0: must be < 1 (no finite factor covers every row)")
-    for key, known in (("unit", UNITS), ("base", BASES)):
-        if cfg.get(key) not in known:
-            raise ConfigError(f"{key}={cfg.get(key)!r} is unknown; known: {list(known)}")
-    return {"level": level, "unit": str(cfg.unit), "base": str(cfg.base),
-            "relative_term": _flag(cfg, "relative_term", True),
-            "never_below_paper": _flag(cfg, "never_below_paper", True)}
+    options = check_keys(CalibrateConfig, cfg, ("level", "unit", "base", "relative_term", "never_below_paper"))
+    if options["level"] == 1.0:
+        raise ConfigError("level=1.0: must be < 1 (no finite factor covers every row)")
+    return options
 
 
 def _check_out(out: Path) -> None:

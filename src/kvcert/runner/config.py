@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .. import defaults as schema
-from ..calibration import load_calibration
+from ..calibration import BASES, UNITS, load_calibration
 from ..data import SHARD_BY
 from ..designs import DESIGNS, DesignOptions
 from ..errors import ConfigError
@@ -20,7 +20,8 @@ from ..policies.base import renamed_hint
 from ..prompts import SETTINGS, TRUNCATE
 
 # The names a ``known`` field of the schema takes.
-KNOWN = {"policies": POLICIES, "designs": DESIGNS, "setting": SETTINGS, "shard_by": SHARD_BY, "truncate": TRUNCATE}
+KNOWN = {"policies": POLICIES, "designs": DESIGNS, "setting": SETTINGS, "shard_by": SHARD_BY, "truncate": TRUNCATE,
+         "unit": UNITS, "base": BASES}
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,13 @@ def _extra_grids(cfg: Mapping[str, Any], seeds: tuple[int, ...]) -> tuple[Grid, 
         checked = {name: _check(f, hints[name], grid, f"{key}.{name}") for name, f in fields.items()}
         grids.append(Grid(**{**checked, "seeds": checked["seeds"] or seeds}))
     return tuple(grids)
+
+
+def check_keys(schema_type: type, cfg: Mapping[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """``{key: checked value}`` of some fields of a schema dataclass (a key ``cfg`` lacks takes its default)."""
+    hints = _hints(schema_type)
+    fields = {f.name: f for f in dataclasses.fields(schema_type)}
+    return {key: _check(fields[key], hints[key], cfg if key in cfg else _default(fields[key]), key) for key in keys}
 
 
 # Checked after every other key (in this order), or not by their type: the groups have their own loaders.
