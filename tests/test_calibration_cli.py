@@ -1,7 +1,7 @@
 """``kvcert-calibrate`` and ``kvcert-run ... calibration=<file>`` end to end on a tiny GGUF model (nothing is
 downloaded), and every bad input of both: one line naming the key, value or file, exit 2, nothing written.
 
-README's "Bad input" table for ``kvcert-calibrate`` lists the same rows as ``CALIBRATE_CASES``.
+docs/errors.md's table for ``kvcert-calibrate`` lists the same rows as ``CALIBRATE_CASES``.
 """
 
 from __future__ import annotations
@@ -201,9 +201,9 @@ def test_kvcert_calibrate_bad_input_is_one_line_and_writes_nothing(tmp_path, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no file, no temporary cell left behind
 
 
-def test_readme_lists_every_refusal_of_both_tables():
-    """README's "Bad input" section has a row for each case above ({d}, {file} as written in the table)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_the_error_page_lists_every_refusal_of_both_tables():
+    """docs/errors.md has a row for each case above ({d}, {file} as written in the table)."""
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
     section = readme[readme.index("#### `kvcert-calibrate`"):]
     section = section[: section.index("\n#### ", 10)]
     for case in CALIBRATE_CASES:

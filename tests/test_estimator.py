@@ -227,3 +227,20 @@ def test_certificate_is_chebyshev_bound():
     for delta in (0.0, 1.0, -0.1):
         with pytest.raises(ValueError):
             certificate(trace, delta)
+
+
+def test_row_blocks_give_the_unblocked_result(monkeypatch):
+    """A multi-token pass is computed in row blocks to bound its logits; the blocks change nothing but rounding."""
+    import kvcert.estimator as estimator
+
+    q, k, v, log_pi = random_case(batch=(2, 3), m=7, n=23, dv=6, seed=5)
+    k, v, log_pi, t = _sampled_first(k, v, log_pi + 0.0)
+    q, k, v, log_pi = (x.float() for x in (q, k, v, log_pi))
+    bias = offset_bias(log_pi).unsqueeze(-2).expand(2, 3, 7, 23).clone()
+    bias[..., :3, -2:] = float("-inf")  # a row-dependent mask, so the bias is split with the rows
+    whole = hajek_with_variance(q, k, v, bias, 0.3, one_minus_pi(log_pi[..., :t]))
+    monkeypatch.setattr(estimator, "ROW_BLOCK_ELEMENTS", 2 * 23 * 6)  # two rows per block
+    blocked = hajek_with_variance(q, k, v, bias, 0.3, one_minus_pi(log_pi[..., :t]))
+    for a, b in zip(whole, blocked):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -27,7 +27,7 @@ LAYERS = {
     "kvcert.attention": 5,
     "kvcert.generation": 6,
     "kvcert.theory": 7, "kvcert.costs": 7, "kvcert.standins": 7,
-    "kvcert.runner": 8, "kvcert.analysis": 8,
+    "kvcert.runner": 8, "kvcert.analysis": 8, "kvcert.device_check": 8,
     "kvcert.plan": 9,  # plans a scale's cells as the runner would compose them
     "kvcert": 10,  # the package's lazy public namespace
 }

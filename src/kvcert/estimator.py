@@ -23,6 +23,8 @@ from .defaults import DELTA
 from .errors import EmptyRetainedSetError
 
 NOT_RETAINED = float("-inf")
+# Logits a certified call materializes at once (float32: 8 MB); a multi-token pass is split into row blocks.
+ROW_BLOCK_ELEMENTS = 1 << 21
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -65,7 +67,7 @@ def hajek_with_weights(
     dtype = compute_dtype(q, k, v)
     q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in (q, k, v))
     logits = torch.matmul(q, k.transpose(-1, -2))
-    logits = logits.mul_(scale) if bias is None else torch.add(bias.to(dtype), logits, alpha=scale)
+    logits = logits.mul_(scale) if bias is None else logits.mul_(scale).add_(bias.to(dtype))
     if check_empty and not bool(torch.isfinite(logits.amax(dim=-1)).all()):
         raise EmptyRetainedSetError("an attention row has no retained slot (all logits are -inf or NaN)")
     weights = torch.softmax(logits, dim=-1)
@@ -118,6 +120,17 @@ def hajek_with_variance(
     """
     dtype = compute_dtype(q, k, v)
     q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in (q, k, v))
+    rows, n = q.shape[-2], k.shape[-2]
+    per_row = n * max(1, math.prod(q.shape[:-2]))
+    if rows > 1 and rows * per_row > ROW_BLOCK_ELEMENTS:
+        # Rows are independent: a multi-token pass (the question, in the streaming setting) runs in blocks of
+        # rows so that its (rows, n) logits and weights never exceed ROW_BLOCK_ELEMENTS at once.
+        block = max(1, ROW_BLOCK_ELEMENTS // per_row)
+        parts = [hajek_with_variance(q[..., i: i + block, :], k, v,
+                                     bias if bias is None or bias.shape[-2] == 1 else bias[..., i: i + block, :],
+                                     scale, one_minus_pi, per_coordinate, check_empty)
+                 for i in range(0, rows, block)]
+        return tuple(torch.cat(tensors, dim=-2) for tensors in zip(*parts))
     out, weights = hajek_with_weights(q, k, v, bias, scale, check_empty)
     t = one_minus_pi.shape[-1]
     c = weights[..., :t].square_().mul_(one_minus_pi.to(dtype).unsqueeze(-2))  # (..., m, t)

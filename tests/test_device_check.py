@@ -1,0 +1,64 @@
+"""``kvcert-device-check``: the command a cluster user runs first, run here on the CPU (bfloat16, the paper
+scale's dtype), and its verdict logic on made-up numbers (our own logic: the numbers say so)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from kvcert import device_check
+from kvcert.device_check import BOUNDS, PAPER_DTYPE, Run, checks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_default_dtype_is_the_paper_scales():
+    scale = yaml.safe_load((ROOT / "workflow" / "scales" / "paper.yaml").read_text())
+    dtypes = {o.split("=", 1)[1] for overrides in scale["models"].values() for o in overrides
+              if o.startswith("model.dtype=")}
+    assert dtypes == {PAPER_DTYPE}
+
+
+def _run(rel_cert: float, rel_err: float, coverage: float, tokens: list[int], logprob: float) -> Run:
+    steps = pd.DataFrame({"rel_cert": [rel_cert] * 4, "rel_err": [rel_err] * 4,
+                          "coverage": [1.0] * int(coverage * 4) + [0.0] * (4 - int(coverage * 4))})
+    return Run([tokens], [np.asarray([logprob])], [steps])
+
+
+def test_each_bound_fails_its_own_line():
+    """Made-up runs: the reference, a device run within every bound, and one run per bound broken."""
+    bounds = BOUNDS["bfloat16"]
+    reference = _run(0.2, 0.05, 1.0, [1, 2, 3], -0.5)
+    good = checks(_run(0.21, 0.052, 1.0, [1, 2, 3], -0.6), reference, bounds, 1.1, (10.0, 20.0))
+    assert all(line[4] for line in good), good
+    broken = {
+        "tokens": checks(_run(0.2, 0.05, 1.0, [1, 9, 3], -0.5), reference, bounds, 1.1, (10.0, 20.0)),
+        "outputs": checks(_run(0.2, 0.05, 1.0, [1, 2, 3], -0.5 - 2 * bounds.logprob), reference, bounds, 1.1,
+                          (10.0, 20.0)),
+        "certificates": checks(_run(0.2 * 2 * bounds.ratio, 0.05, 1.0, [1, 2, 3], -0.5), reference, bounds, 1.1,
+                               (10.0, 20.0)),
+        "error": checks(_run(0.2, 0.05 / (2 * bounds.ratio), 1.0, [1, 2, 3], -0.5), reference, bounds, 1.1,
+                        (10.0, 20.0)),
+        "coverage": checks(_run(0.2, 0.05, 0.75, [1, 2, 3], -0.5), reference, bounds, 1.1, (10.0, 20.0)),
+        "overhead": checks(reference, reference, bounds, bounds.overhead + 0.1, (10.0, 20.0)),
+        "memory": checks(reference, reference, bounds, 1.1, (bounds.memory * 1000.0 + 65.0, 1000.0)),
+    }
+    for name, lines in broken.items():
+        failed = [line[0] for line in lines if not line[4]]
+        assert failed == [name], (name, lines)
+
+
+@pytest.mark.smollm2
+def test_the_command_passes_on_this_machine(capsys):
+    """The real command, shortened (one prompt in both settings, four tokens, one timing round): every line is
+    printed with its verdict, and on this machine every verdict is PASS."""
+    rc = device_check.main(["--prompts", "1", "--new-tokens", "4", "--reps", "1"])
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))}
+    assert set(lines) >= {"tokens", "outputs", "certificates", "coverage", "error", "overhead", "memory"}, out
+    assert "bfloat16 on cpu" in out and "certified attention: pytorch" in out
+    assert rc == 0 and out.rstrip().endswith("kvcert-device-check: PASS"), out
