@@ -29,8 +29,9 @@ from .prompts import SETTINGS, build_prompt, check_setting, model_limit
 from .schema import STEP_COLUMNS
 
 FULL = "full"
-DEFAULT_OBSERVATION_WINDOW = defaults.OBSERVATION_WINDOW
-DEFAULT_DELTA = defaults.DELTA
+RUN = defaults.RUN  # the run schema: generate()'s defaults are a cell's
+DEFAULT_OBSERVATION_WINDOW = RUN.observation_window
+DEFAULT_DELTA = RUN.delta
 
 
 def item_seed(seed: int, item_id: str) -> int:
@@ -388,21 +389,21 @@ def generate(
     context: str,
     question: str,
     answer_prefix: str = "",
-    policy: str = "snapkv",
-    design: str = "poisson",
-    budget: float = 0.25,
-    setting: str = "question_aware",
-    seed: int = 0,
+    policy: str = RUN.policies[0],
+    design: str = RUN.designs[-1],
+    budget: float = RUN.budgets[0],
+    setting: str = RUN.setting,
+    seed: int = RUN.seeds[0],
     item_id: str | None = None,
-    oracle: bool = True,
-    certify: bool = True,
+    oracle: bool = RUN.oracle,
+    certify: bool = RUN.certify,
     max_new_tokens: int = 16,
-    delta: float = DEFAULT_DELTA,
-    observation_window: int = DEFAULT_OBSERVATION_WINDOW,
+    delta: float = RUN.delta,
+    observation_window: int = RUN.observation_window,
     options: DesignOptions = DesignOptions(),
     policy_options: dict | None = None,
-    max_context_tokens: int | None = None,
-    truncate: str = "middle",
+    max_context_tokens: int | None = RUN.max_context_tokens,
+    truncate: str = RUN.truncate,
     calibration=None,
 ) -> GenerationResult:
     """Generate an answer to ``question`` about ``context`` on a compressed cache, with certificates.
