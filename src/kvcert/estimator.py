@@ -67,7 +67,7 @@ def hajek_with_weights(
     dtype = compute_dtype(q, k, v)
     q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in (q, k, v))
     logits = torch.matmul(q, k.transpose(-1, -2))
-    logits = logits.mul_(scale) if bias is None else logits.mul_(scale).add_(bias.to(dtype))
+    logits = logits.mul_(scale) if bias is None else torch.add(bias.to(dtype), logits, alpha=scale)
     if check_empty and not bool(torch.isfinite(logits.amax(dim=-1)).all()):
         raise EmptyRetainedSetError("an attention row has no retained slot (all logits are -inf or NaN)")
     weights = torch.softmax(logits, dim=-1)
