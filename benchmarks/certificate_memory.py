@@ -33,19 +33,13 @@ QUESTION_TOKENS = 64
 VOCAB = 49152
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def child(args: argparse.Namespace) -> dict:
     """One measured run in this process: build, prefill, reset the high-water mark, decode."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import kvcert
+    from kvcert.device_check import reset_peak_resident, resident_kb
     from kvcert.generation import decode_batch
     from kvcert.standins import MODELS, shrunk_config
 
@@ -61,11 +55,11 @@ def child(args: argparse.Namespace) -> dict:
     question = torch.randint(10, VOCAB, (1, QUESTION_TOKENS), generator=g) if streaming else None
     state = kvcert.prefill(model, prefix, question, setting=args.setting)
     rows = [kvcert.select(state, "snapkv", "poisson", 0.25, seed=s) for s in range(args.rows)]
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: what follows is the decode's peak
-    before = _status_kb("VmRSS")
+    reset_peak_resident()  # what follows is the decode's peak
+    before = resident_kb("VmRSS")
     decoded = decode_batch(model, state, rows, max_new_tokens=args.new_tokens, certify=args.certify,
                                   oracle=False)
-    decode_peak = _status_kb("VmHWM")
+    decode_peak = resident_kb("VmHWM")
     import resource
 
     return {"dtype": args.dtype, "tokens": args.tokens, "setting": args.setting, "certify": args.certify,

@@ -33,7 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import CompressedCache, CompressedLayer
 from .context import AttentionContext, Observation
-from .estimator import compute_dtype, hajek_with_variance, one_minus_pi
+from .estimator import compute_dtype, hajek_with_variance
 
 ATTENTION_NAME = "kvcert"
 CONTEXT_KWARG = "kvcert_context"
@@ -220,11 +220,10 @@ def certified_attention(ctx: AttentionContext, layer_idx: int, query, key, value
         full_out = flat(_oracle_attention(grouped_q, layer, ctx.oracle.layers[layer_idx], q_pos, sliding, scale,
                                           hq // hk))
     shape = (b, hk, hq // hk, m, value.shape[-1])
-    # Only the first n_sampled_slots slots can have π < 1 (derive sorts them first).
-    tail_one_minus_pi = one_minus_pi(layer.log_pi[..., : layer.n_sampled_slots])  # (b, kv_heads, t)
+    tail_one_minus_pi = ctx.tail_one_minus_pi(layer_idx)  # (b, kv_heads, t): derive sorts sampled slots first
     if recorder.kernel is not None:
         terms = grouped_q.new_empty((*grouped_q.shape[:-1], 2))  # (b, kv_heads, group·m, 2): Σc, Σc² per row
-        out, var = recorder.kernel(grouped_q, key, value, grouped_bias, tail_one_minus_pi.contiguous(), scale, terms)
+        out, var = recorder.kernel(grouped_q, key, value, grouped_bias, tail_one_minus_pi, scale, terms)
     else:
         # Rows are never empty here: every query sees itself (an appended, certain slot).
         out, var, terms = hajek_with_variance(flat(grouped_q), flat(key), flat(value), flat(grouped_bias), scale,

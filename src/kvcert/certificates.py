@@ -5,9 +5,9 @@ A ``CertificateRecorder`` belongs to the decoding that certifies (``kvcert.conte
 gives it, per compressed layer and forward pass, what it computed in the call itself: the Hájek output, its
 variance and the variance's term sums, one row each per query row (the compiled kernel or
 ``kvcert.estimator.hajek_with_variance``), and the oracle's full-cache output in oracle mode. Nothing per slot
-reaches the recorder. Once a forward pass is complete (the next one starts, or ``records`` is read) the
-statistics of all its layers are computed at once, a few tensor operations per pass instead of a few per
-layer. One ``StepRecord`` per pass results.
+reaches the recorder: each call is reduced when it is handed over to a few numbers per (row, KV head, query
+position), and once a forward pass is complete (the next one starts, or ``records`` is read) its layers'
+summaries are stacked into one ``StepRecord``.
 """
 
 from __future__ import annotations
@@ -74,9 +74,6 @@ class CertificateRecorder:
         self.kernel = path.op
         self._records: list[StepRecord] = []
         self._pending: list[_CallSummary] = []
-        # Calls of the compiled kernel (CPU, float32: the committed results' path) are kept per query row until
-        # the pass ends and reduced stacked over layers, the arithmetic every committed table was made with.
-        self._kernel_calls: list[tuple] = []
 
     def add(self, layer: int, length: int, shape: tuple[int, ...], out: torch.Tensor, var: torch.Tensor,
             terms: torch.Tensor, full_out: torch.Tensor | None) -> None:
@@ -86,12 +83,8 @@ class CertificateRecorder:
         group·m, dv); var: the same with width dv per coordinate (needed with the oracle) or 1, the trace; terms:
         the same with width 2, (Σc, Σc²) per query row.
         """
-        last = max([c.layer for c in self._pending] + [c[0] for c in self._kernel_calls], default=-1)
-        if layer <= last:
+        if self._pending and layer <= self._pending[-1].layer:
             self._flush()
-        if out.ndim == 4:  # the kernel's (batch, kv_heads, group·m, ·) outputs
-            self._kernel_calls.append((layer, length - shape[3] - self.prefix_length, shape, out, var, terms, full_out))
-            return
         b, hk, group, m, dv = shape
         reduce = (2, 4)  # the group's query heads and the value coordinates form one vector per KV head
         out = out.reshape(shape)
@@ -112,7 +105,7 @@ class CertificateRecorder:
     @property
     def records(self) -> list[StepRecord]:
         """The ``StepRecord``s of every pass so far (completing the current one)."""
-        if self._pending or self._kernel_calls:
+        if self._pending:
             self._flush()
         return self._records
 
@@ -122,31 +115,6 @@ class CertificateRecorder:
             groups.setdefault((call.first_step, call.trace_var.shape, call.true_err is None), []).append(call)
         self._records.extend(self._stack(calls) for calls in groups.values())
         self._pending = []
-        kernel_groups: dict[tuple, list[tuple]] = {}
-        for call in self._kernel_calls:
-            kernel_groups.setdefault((call[1], call[2], call[6] is None), []).append(call)
-        self._records.extend(self._stack_kernel(calls) for calls in kernel_groups.values())
-        self._kernel_calls = []
-
-    @staticmethod
-    def _stack_kernel(calls: list[tuple]) -> StepRecord:
-        """The StepRecord of kernel calls of one pass: (layer, first step, shape, out, var, terms, full_out) each,
-        out/var/full_out (batch, kv_heads, group·m, dv), terms (…, 2); reduced after stacking over layers."""
-        shape = (len(calls), *calls[0][2])  # (L, batch, kv_heads, group, m, dv)
-        out = torch.stack([c[3] for c in calls]).reshape(shape)
-        var = torch.stack([c[4] for c in calls]).reshape(*shape[:-1], -1)
-        terms = torch.stack([c[5] for c in calls]).reshape(*shape[:-1], 2)
-        reduce = (3, 5)
-        record = StepRecord(
-            layers=tuple(c[0] for c in calls), first_step=calls[0][1], trace_var=var.sum(dim=reduce).float(),
-            out_norm=torch.linalg.vector_norm(out, dim=reduce).float(),
-            tail_ess=effective_terms(terms.sum(dim=3)).float(),
-        )
-        if calls[0][6] is not None:
-            err = out - torch.stack([c[6].to(out.dtype) for c in calls]).reshape(shape)
-            record.true_err = torch.linalg.vector_norm(err, dim=reduce).float()
-            record.wald_coverage = (err.abs() <= WALD_Z * var.sqrt()).float().mean(dim=reduce)
-        return record
 
     @staticmethod
     def _stack(calls: list[_CallSummary]) -> StepRecord:

@@ -16,6 +16,7 @@ import torch
 
 from .cache import CompressedCache
 from .certificates import CertificateRecorder
+from .estimator import one_minus_pi
 
 
 @dataclass
@@ -44,6 +45,15 @@ class AttentionContext:
     observations: list[Observation] | None = None
     recorder: CertificateRecorder | None = None
     oracle: CompressedCache | None = field(default=None, repr=False)
+    _tails: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def tail_one_minus_pi(self, layer_idx: int) -> torch.Tensor:
+        """1 − π of layer ``layer_idx``'s first ``n_sampled_slots`` slots, the only ones that may have π < 1,
+        (batch, kv_heads, t) contiguous: computed once per decoding (the retained sets never change)."""
+        if layer_idx not in self._tails:
+            layer = self.cache.layers[layer_idx]
+            self._tails[layer_idx] = one_minus_pi(layer.log_pi[..., : layer.n_sampled_slots]).contiguous()
+        return self._tails[layer_idx]
 
     @classmethod
     def for_prefill(cls, num_layers: int, observation_window: int, accumulate: bool) -> AttentionContext:

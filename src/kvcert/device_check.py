@@ -148,7 +148,8 @@ def _sync(model) -> None:
         torch.cuda.synchronize()
 
 
-def _rss_kb(field: str) -> int | None:
+def resident_kb(field: str) -> int | None:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its high-water mark) of this process in kB; None off Linux."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(field + ":"):
@@ -156,6 +157,14 @@ def _rss_kb(field: str) -> int | None:
     except OSError:
         return None
     return None
+
+
+def reset_peak_resident() -> None:
+    """Reset ``VmHWM`` to the resident memory now, so that it measures what follows (Linux; else a no-op)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def _memory(model, prompt, setting: str, new_tokens: int) -> tuple[float | None, float]:
@@ -168,17 +177,14 @@ def _memory(model, prompt, setting: str, new_tokens: int) -> tuple[float | None,
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass
-        before = _rss_kb("VmRSS")
+        reset_peak_resident()
+        before = resident_kb("VmRSS")
     decode_batch(model, state, rows, max_new_tokens=new_tokens, certify=True, oracle=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
         measured = (torch.cuda.max_memory_allocated(device) - before) / 2**20
     else:
-        peak = _rss_kb("VmHWM")
+        peak = resident_kb("VmHWM")
         measured = None if peak is None or before is None else (peak - before) / 1024
     arch = costs.Architecture.from_config(model.config)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")

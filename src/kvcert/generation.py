@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 
 from . import defaults
-from .attention import CONTEXT_KWARG, attach
+from .attention import attach
 from .cache import CompressedCache
 from .certificates import CertificateRecorder
 from .context import AttentionContext, Observation
@@ -113,8 +113,8 @@ def prefill(
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     ctx = AttentionContext.for_prefill(n_layers, observation_window=observation_window, accumulate=accumulate)
     # Only the last position's logits are needed; the full (n, vocab) matrix would dominate the prefill.
-    with attach(model, ctx):  # bound as well: some architectures do not forward keywords to attention
-        out = model(input_ids=prefix_ids, cache=ctx.cache, use_cache=True, logits_to_keep=1, **{CONTEXT_KWARG: ctx})
+    with attach(model, ctx):  # bound, not passed as a keyword: some architectures do not forward keywords
+        out = model(input_ids=prefix_ids, cache=ctx.cache, use_cache=True, logits_to_keep=1)
     return Prefill(ctx.cache, ctx.observations, prefix_ids, suffix_ids, out.logits[:, -1].float(), setting,
                    dict(policy_options or {}))
 
@@ -280,7 +280,7 @@ class Decoding:
         self.randomized = randomized if randomized is not None else [
             c is not None and any(sel.has_tail for sel in c) for c in configurations
         ]
-        self._kwargs = {CONTEXT_KWARG: self.context, "cache": self.cache, "use_cache": True}
+        self._kwargs = {"cache": self.cache, "use_cache": True}
         if suffix.shape[-1] > 0:
             self._logits = self._forward(suffix.expand(rows, -1), logits_to_keep=1)
         else:
@@ -310,7 +310,7 @@ class Decoding:
 
     def _forward(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """One forward pass of (rows, m) ids on the derived cache; the last position's logits (rows, vocab)."""
-        with attach(self.model, self.context):  # bound as well: some architectures do not forward keywords
+        with attach(self.model, self.context):  # bound: some architectures do not forward keywords to attention
             return self.model(input_ids=ids, **self._kwargs, **kwargs).logits[:, -1].float()
 
     def results(self) -> list[Decoded]:
