@@ -29,9 +29,7 @@ from .prompts import SETTINGS, build_prompt, check_setting, model_limit
 from .schema import STEP_COLUMNS
 
 FULL = "full"
-RUN = defaults.RUN  # the run schema: generate()'s defaults are a cell's
-DEFAULT_OBSERVATION_WINDOW = RUN.observation_window
-DEFAULT_DELTA = RUN.delta
+RUN = defaults.RUN  # the run schema: the defaults here are a cell's
 
 
 def item_seed(seed: int, item_id: str) -> int:
@@ -92,7 +90,7 @@ def prefill(
     suffix_ids: torch.Tensor | None = None,
     *,
     setting: str = "question_aware",
-    observation_window: int = DEFAULT_OBSERVATION_WINDOW,
+    observation_window: int = RUN.observation_window,
     accumulate: bool = False,
     policy_options: dict | None = None,
 ) -> Prefill:
@@ -257,7 +255,7 @@ class Decoding:
         stop_ids: set[int] | None = None,
         certify: bool = True,
         oracle: bool = False,
-        delta: float = DEFAULT_DELTA,
+        delta: float = RUN.delta,
         randomized: list[bool] | None = None,
     ):
         if max_new_tokens < 1:
@@ -338,7 +336,7 @@ def decode_batch(
     stop_ids: set[int] | None = None,
     certify: bool = True,
     oracle: bool = False,
-    delta: float = DEFAULT_DELTA,
+    delta: float = RUN.delta,
     randomized: list[bool] | None = None,
 ) -> list[Decoded]:
     """Greedy generation for several configurations of one prompt at once, one batch row each (see ``Decoding``)."""
@@ -360,7 +358,7 @@ def decode(
     stop_ids: set[int] | None = None,
     certify: bool = True,
     oracle: bool = False,
-    delta: float = DEFAULT_DELTA,
+    delta: float = RUN.delta,
     randomized: bool | None = None,
 ) -> Decoded:
     """Greedy generation of one configuration (``selections`` None: the full cache); see ``decode_batch``."""
