@@ -226,9 +226,9 @@ def certified_attention(ctx: AttentionContext, layer_idx: int, query, key, value
         out, var = recorder.kernel(grouped_q, key, value, grouped_bias, tail_one_minus_pi, scale, terms)
     else:
         # Rows are never empty here: every query sees itself (an appended, certain slot).
+        # per coordinate even without the oracle: the recorder sums the coordinates with the group's heads
         out, var, terms = hajek_with_variance(flat(grouped_q), flat(key), flat(value), flat(grouped_bias), scale,
-                                              flat(tail_one_minus_pi), per_coordinate=recorder.oracle,
-                                              check_empty=False)
+                                              flat(tail_one_minus_pi), per_coordinate=True, check_empty=False)
     recorder.add(layer_idx, layer.length, shape, out, var, terms, full_out)
     return out.to(query.dtype).reshape(b, hq, m, -1)
 

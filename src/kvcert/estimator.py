@@ -52,6 +52,19 @@ def one_minus_pi(log_pi: torch.Tensor) -> torch.Tensor:
     return -torch.expm1(log_pi)
 
 
+def _smallest_kept(dtype: torch.dtype) -> float:
+    """The largest subnormal of ``dtype``: terms at or below it are dropped (``torch.threshold`` keeps x > it)."""
+    return float(torch.nextafter(torch.tensor(torch.finfo(dtype).tiny, dtype=dtype), torch.tensor(0.0, dtype=dtype)))
+
+
+_SMALLEST_KEPT = {dtype: _smallest_kept(dtype) for dtype in (torch.float32, torch.float64)}
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b; a bare bmm for 3-d operands (matmul's reshapes around it cost as much as a decode step's bmm)."""
+    return torch.bmm(a, b) if a.dim() == 3 and b.dim() == 3 else torch.matmul(a, b)
+
+
 def hajek_with_weights(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float, check_empty: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,30 +75,25 @@ def hajek_with_weights(
     Returns out (..., m, dv) and weights (..., m, n), float32 (float64 for float64 inputs).
     Raises EmptyRetainedSetError if some row has no finite logit (check_empty=False skips the check, for
     callers whose rows cannot be empty: it costs a device synchronization per call).
-    With 3-d inputs every matmul is a single bmm (this runs at every decode step of every layer).
+    With 3-d inputs every matmul is a single bmm, the bias added inside it (this runs at every decode step of
+    every layer, where the number of operations, not their size, sets the cost).
     """
     dtype = compute_dtype(q, k, v)
     q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in (q, k, v))
-    logits = torch.matmul(q, k.transpose(-1, -2))
-    logits = logits.mul_(scale) if bias is None else torch.add(bias.to(dtype), logits, alpha=scale)
+    if bias is None:
+        logits = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    elif q.dim() == 3 and bias.dim() == 3:
+        logits = torch.baddbmm(bias.to(dtype), q, k.transpose(-1, -2), alpha=scale)
+    else:
+        logits = torch.add(bias.to(dtype), torch.matmul(q, k.transpose(-1, -2)), alpha=scale)
     if check_empty and not bool(torch.isfinite(logits.amax(dim=-1)).all()):
         raise EmptyRetainedSetError("an attention row has no retained slot (all logits are -inf or NaN)")
     weights = torch.softmax(logits, dim=-1)
-    return torch.matmul(weights, v), weights
-
-
-def variance_terms(c: torch.Tensor) -> torch.Tensor:
-    """(Σ_i c_i, Σ_i c_i²) of the variance's term weights c_i = (1 − π_i) a_i², (..., m, t) -> (..., m, 2).
-
-    Terms below the smallest normal float are dropped, as the compiled kernel drops them, so both paths count
-    the same terms. The effective number of terms behind V̂ follows from them (``effective_terms``).
-    """
-    c = torch.where(c >= torch.finfo(c.dtype).tiny, c, torch.zeros((), dtype=c.dtype, device=c.device))
-    return torch.stack([c.sum(-1), c.square().sum(-1)], dim=-1)
+    return _matmul(weights, v), weights
 
 
 def effective_terms(terms: torch.Tensor) -> torch.Tensor:
-    """Kish's effective number (Σc)² / Σc² of the terms behind V̂, from (..., 2) sums (``variance_terms``).
+    """Kish's effective number (Σc)² / Σc² of the terms behind V̂, from (..., 2) sums (Σc, Σc²).
 
     1 when one sampled slot carries all of the variance's weight, t when t slots carry equal weight; 0 when no
     sampled slot has weight (V̂ = 0). Returns (...,) in terms' dtype.
@@ -111,12 +119,15 @@ def hajek_with_variance(
     mask, as in ``hajek_with_weights``); one_minus_pi: (..., t), 1 − π of the first t slots, the only ones that
     may be sampled (later slots must be certain or not retained; the cache sorts sampled slots first).
     Returns out (..., m, dv); var (..., m, dv) per coordinate, or (..., m, 1) the trace Σ_j V̂_j, clamped at 0;
-    terms (..., m, 2), ``variance_terms`` of c_i = (1 − π_i) a_i². All float32 (float64 for float64 inputs).
+    terms (..., m, 2), (Σc, Σc²) of the term weights c_i = (1 − π_i) a_i². All float32 (float64 for float64
+    inputs). Terms below the smallest normal float are dropped, as the compiled kernel drops them, so both
+    paths count the same terms.
 
     Everything per slot lives only inside this call: the certificate of a decode needs, per query row, the
-    three sums Σc, Σc(v − μ) and Σc(v − μ)², as the compiled kernel keeps them. Values are centred on μ, the
-    mean of the rows' outputs, before squaring, so that Σc(v − ô)² = Σc(v − μ)² − 2(ô − μ)·Σc(v − μ) +
-    ‖ô − μ‖²Σc keeps no cancellation from a large common offset of the values.
+    sums Σc, Σc(v − μ) and Σc(v − μ)² (per coordinate), as the compiled kernel keeps them. The trace is the
+    sum of the coordinates' variances, each clamped at 0. Values are centred on μ, the mean of
+    the rows' outputs, before squaring, so that Σc(v − ô)² = Σc(v − μ)² − 2(ô − μ)·Σc(v − μ) + ‖ô − μ‖²Σc
+    keeps no cancellation from a large common offset of the values.
     """
     dtype = compute_dtype(q, k, v)
     q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in (q, k, v))
@@ -132,22 +143,22 @@ def hajek_with_variance(
                  for i in range(0, rows, block)]
         return tuple(torch.cat(tensors, dim=-2) for tensors in zip(*parts))
     out, weights = hajek_with_weights(q, k, v, bias, scale, check_empty)
-    t = one_minus_pi.shape[-1]
-    c = weights[..., :t].square_().mul_(one_minus_pi.to(dtype).unsqueeze(-2))  # (..., m, t)
-    del weights
-    terms = variance_terms(c)
+    t, dv = one_minus_pi.shape[-1], v.shape[-1]
+    c = weights[..., :t].square_().mul_(one_minus_pi.to(dtype).unsqueeze(-2))  # (..., m, t), in the weights
+    torch.nn.functional.threshold_(c, _SMALLEST_KEPT[dtype], 0.0)
+    s0 = c.sum(-1, keepdim=True)  # (..., m, 1)
+    terms = torch.cat([s0, torch.linalg.vecdot(c, c).unsqueeze(-1)], dim=-1)  # (..., m, 2)
     center = out.mean(dim=-2, keepdim=True)  # (..., 1, dv)
     centered = v[..., :t, :] - center  # (..., t, dv)
+    s1 = _matmul(c, centered)  # (..., m, dv)
+    s2 = _matmul(c, centered.square_())
+    del weights, c, centered
     oc = out - center
-    s0 = terms[..., :1]
-    s1 = torch.matmul(c, centered)  # (..., m, dv)
-    if per_coordinate:
-        s2 = torch.matmul(c, centered.square_())
-        var = torch.addcmul(s2, oc, torch.addcmul(s1, oc, s0, value=-0.5), value=-2.0)
-    else:
-        s2 = torch.matmul(c, torch.linalg.vector_norm(centered, dim=-1, keepdim=True).square_())  # (..., m, 1)
-        var = torch.add(s2, torch.linalg.vecdot(oc, torch.addcmul(s1, oc, s0, value=-0.5)).unsqueeze(-1), alpha=-2.0)
-    return out, var.clamp_min_(0.0), terms
+    shift = torch.addcmul(s1, oc, s0, value=-0.5)  # Σc(v − μ) − ½ Σc (ô − μ)
+    var = torch.addcmul(s2, oc, shift, value=-2.0).clamp_min_(0.0)  # per coordinate, (..., m, dv)
+    if not per_coordinate:
+        var = var.sum(-1, keepdim=True)
+    return out, var, terms
 
 
 def hajek_attention(
