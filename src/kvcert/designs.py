@@ -12,17 +12,9 @@ from typing import Callable
 
 import torch
 
+from .defaults import DESIGN
 from .estimator import sampled_slots
-from .sampling import (
-    DEFAULT_HEAD_FRACTION,
-    DEFAULT_N_RECENT,
-    DEFAULT_N_SINK,
-    DEFAULT_PI_MIN,
-    retained_count,
-    certain_mask,
-    inclusion_probabilities,
-    poisson_sample,
-)
+from .sampling import certain_mask, inclusion_probabilities, poisson_sample, retained_count
 
 
 @dataclass(frozen=True)
@@ -49,12 +41,13 @@ class Selection:
 
 @dataclass(frozen=True)
 class DesignOptions:
-    """Knobs shared by the designs (see ``inclusion_probabilities``)."""
+    """Knobs shared by the designs (see ``inclusion_probabilities``): an immutable value of the run schema's
+    ``design_options`` (kvcert.defaults.DesignKnobs), whose defaults and checks they are."""
 
-    n_sink: int = DEFAULT_N_SINK
-    n_recent: int = DEFAULT_N_RECENT
-    head_fraction: float = DEFAULT_HEAD_FRACTION
-    pi_min: float = DEFAULT_PI_MIN
+    n_sink: int = DESIGN.n_sink
+    n_recent: int = DESIGN.n_recent
+    head_fraction: float = DESIGN.head_fraction
+    pi_min: float = DESIGN.pi_min
 
 
 def _pack(keep: torch.Tensor, log_pi_full: torch.Tensor) -> Selection:

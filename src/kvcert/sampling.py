@@ -11,12 +11,6 @@ import torch
 
 from .defaults import DESIGN
 
-# kvcert.designs still imports these names for DesignOptions' defaults; the values are the schema's.
-DEFAULT_N_SINK = DESIGN.n_sink
-DEFAULT_N_RECENT = DESIGN.n_recent
-DEFAULT_HEAD_FRACTION = DESIGN.head_fraction
-DEFAULT_PI_MIN = DESIGN.pi_min
-
 
 def certain_mask(n: int, n_sink: int, n_recent: int, device=None) -> torch.Tensor:
     """(n,) bool: the first n_sink and the last n_recent positions."""
