@@ -244,3 +244,26 @@ def test_row_blocks_give_the_unblocked_result(monkeypatch):
     for a, b in zip(whole, blocked):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_caches_are_read_in_leading_blocks(monkeypatch, dtype):
+    """A bfloat16/float16 cache is converted to float32 one block of its leading dimension at a time (no float32
+    copy of a whole layer's keys and values); the blocks change nothing: rows are independent."""
+    import kvcert.estimator as estimator
+
+    q, k, v, log_pi = random_case(batch=(6,), m=3, n=23, dv=6, seed=11)
+    k, v, log_pi, t = _sampled_first(k, v, log_pi + 0.0)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    bias = offset_bias(log_pi.float()).unsqueeze(-2)
+    tail = one_minus_pi(log_pi.float()[..., :t])
+    whole = hajek_with_variance(q, k, v, bias, 0.3, tail)
+    calls = []
+    real = estimator.hajek_with_weights
+    monkeypatch.setattr(estimator, "hajek_with_weights", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    monkeypatch.setattr(estimator, "ROW_BLOCK_ELEMENTS", 2 * 23 * 8)  # two leading rows (n x d keys) per block
+    blocked = hajek_with_variance(q, k, v, bias, 0.3, tail)
+    assert calls == [2, 2, 2]
+    for a, b in zip(whole, blocked):
+        assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)

@@ -130,6 +130,15 @@ def hajek_with_variance(
     keeps no cancellation from a large common offset of the values.
     """
     dtype = compute_dtype(q, k, v)
+    if q.dim() >= 3 and k.shape[0] > 1 and k.dtype != dtype and k[:1].numel() * k.shape[0] > ROW_BLOCK_ELEMENTS:
+        # A bfloat16/float16 cache is read in float32 one block of its leading dimension (batch rows x KV heads)
+        # at a time, so that no float32 copy of all keys and values of the layer exists at once.
+        block = max(1, ROW_BLOCK_ELEMENTS // k[:1].numel())
+        take = lambda x, i: x if x is None or x.shape[0] == 1 else x[i: i + block]  # noqa: E731
+        parts = [hajek_with_variance(take(q, i), take(k, i), take(v, i), take(bias, i), scale,
+                                     take(one_minus_pi, i), per_coordinate, check_empty)
+                 for i in range(0, k.shape[0], block)]
+        return tuple(torch.cat(tensors, dim=0) for tensors in zip(*parts))
     q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in (q, k, v))
     rows, n = q.shape[-2], k.shape[-2]
     per_row = n * max(1, math.prod(q.shape[:-2]))
