@@ -7,17 +7,20 @@ random weights): a prompt of N tokens is prefilled once, then 9 rows of SnapKV P
 decode 4 new tokens together, in the streaming setting (a 64-token question attends to the compressed
 cache first) and the question-aware one, with ``KVCERT_KERNELS=0``, in float32 and bfloat16.
 
-Each (dtype, tokens, setting) runs twice in fresh processes, without and with the certificate (``certify``;
-no oracle), one right after the other, so that both see the same machine. Each process reports
+Each (dtype, tokens, setting) runs in fresh processes without and with the certificate (``certify``; no
+oracle), one right after the other, so that both see the same machine; ``--repeats`` such pairs (the order
+alternating) give the medians the table prints. Each process reports
 
 * ``process peak``: its peak resident memory (VmHWM) over the whole run, prefill included;
 * ``decode peak``: the peak above the resident memory just before the decode, the high-water mark reset
   after the prefill (``/proc/self/clear_refs``), so that the prefill's own peak cannot hide the decode's.
 
-The table prints both, in MB, and the ratio certified / uncertified of each.
+The table prints both, in MB (medians over the pairs), the ratio certified / uncertified of the medians and,
+for the process peak, the range of the per-pair ratios: the allocator's reuse of freed memory moves a single
+process's peak by a few percent from run to run, so one pair is not enough to read a 5% difference.
 
     python benchmarks/certificate_memory.py [--tokens 8192 16384] [--dtypes float32 bfloat16]
-        [--settings streaming question_aware] [--rows 9] [--new-tokens 4] [--json out.json]
+        [--settings streaming question_aware] [--rows 9] [--new-tokens 4] [--repeats 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=9)
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="pairs per configuration (medians are printed)")
     parser.add_argument("--json", help="also write every measurement to this file")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
@@ -100,19 +105,26 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args)))
         return 0
     rows = []
-    print("| dtype | tokens | setting | process peak MB: no cert / cert / ratio | decode peak MB: no cert / cert / ratio |")
+    print("| dtype | tokens | setting | process peak MB: no cert / cert / ratio [range] | "
+          "decode peak MB: no cert / cert / ratio |")
     print("|---|---|---|---|---|")
     for dtype in args.dtypes:
         for tokens in args.tokens:
             for setting in args.settings:
-                plain = measure(dtype, tokens, setting, False, args)
-                cert = measure(dtype, tokens, setting, True, args)
-                assert cert["path"]["path"] == "pytorch", cert["path"]
-                rows += [plain, cert]
-                p0, p1 = plain["process_peak_mb"], cert["process_peak_mb"]
-                d0, d1 = plain["decode_peak_mb"], cert["decode_peak_mb"]
-                print(f"| {dtype} | {tokens} | {setting} | {p0:.0f} / {p1:.0f} / {p1 / p0:.3f} | "
-                      f"{d0:.0f} / {d1:.0f} / {d1 / max(d0, 1.0):.3f} |", flush=True)
+                pairs = []
+                for rep in range(args.repeats):
+                    order = (False, True) if rep % 2 == 0 else (True, False)
+                    runs = {certify: measure(dtype, tokens, setting, certify, args) for certify in order}
+                    assert runs[True]["path"]["path"] == "pytorch", runs[True]["path"]
+                    pairs.append((runs[False], runs[True]))
+                    rows += [runs[False], runs[True]]
+                med = lambda key, i: statistics.median(pair[i][key] for pair in pairs)  # noqa: E731
+                p0, p1, d0, d1 = med("process_peak_mb", 0), med("process_peak_mb", 1), med("decode_peak_mb", 0), \
+                    med("decode_peak_mb", 1)
+                ratios = [cert["process_peak_mb"] / plain["process_peak_mb"] for plain, cert in pairs]
+                print(f"| {dtype} | {tokens} | {setting} | {p0:.0f} / {p1:.0f} / {p1 / p0:.3f} "
+                      f"[{min(ratios):.3f}, {max(ratios):.3f}] | {d0:.0f} / {d1:.0f} / {d1 / max(d0, 1.0):.3f} |",
+                      flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     return 0

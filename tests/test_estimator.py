@@ -261,7 +261,7 @@ def test_low_precision_caches_are_read_in_leading_blocks(monkeypatch, dtype):
     calls = []
     real = estimator.hajek_with_weights
     monkeypatch.setattr(estimator, "hajek_with_weights", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
-    monkeypatch.setattr(estimator, "ROW_BLOCK_ELEMENTS", 2 * 23 * 8)  # two leading rows (n x d keys) per block
+    monkeypatch.setattr(estimator, "CONVERT_BLOCK_ELEMENTS", 2 * 23 * 8)  # two leading rows (n x d keys) per block
     blocked = hajek_with_variance(q, k, v, bias, 0.3, tail)
     assert calls == [2, 2, 2]
     for a, b in zip(whole, blocked):
