@@ -26,11 +26,12 @@ NOT_RETAINED = float("-inf")
 # Logits a certified call materializes at once (float32: 2 MB; its weights as many): a multi-token pass is split
 # into row blocks of at most this many logits.
 ROW_BLOCK_ELEMENTS = 1 << 19
-# Keys (and values) of a bfloat16/float16 cache converted to float32 at once (16 MB): larger layers are read in
-# blocks of their leading dimension. Each block is one more call (about 20 operations), which a decode step pays
-# in every layer, so the bound is loose; converting nothing (a bf16 matmul with float32 output, CUDA only) would
-# remove both costs.
-CONVERT_BLOCK_ELEMENTS = 1 << 22
+# Keys (and values) of a bfloat16/float16 cache converted to float32 at once (4 MB), in at most MAX_CONVERT_BLOCKS
+# blocks of the leading dimension: each block is one more call (about 20 operations) that a decode step pays in
+# every layer, so a large layer (a 7B model's, on a GPU) is split in 4 and its float32 copy is a quarter of the
+# layer's keys and values. Converting nothing (a bf16 matmul with float32 output, CUDA only) would remove both costs.
+CONVERT_BLOCK_ELEMENTS = 1 << 20
+MAX_CONVERT_BLOCKS = 4
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -139,7 +140,7 @@ def hajek_with_variance(
     if q.dim() >= 3 and k.shape[0] > 1 and k.dtype != dtype and k.numel() > CONVERT_BLOCK_ELEMENTS:
         # A bfloat16/float16 cache is read in float32 one block of its leading dimension (batch rows x KV heads)
         # at a time, so that no float32 copy of all keys and values of the layer exists at once.
-        block = max(1, CONVERT_BLOCK_ELEMENTS // k[:1].numel())
+        block = max(1, CONVERT_BLOCK_ELEMENTS // k[:1].numel(), -(-k.shape[0] // MAX_CONVERT_BLOCKS))
         take = lambda x, i: x if x is None or x.shape[0] == 1 else x[i: i + block]  # noqa: E731
         parts = [hajek_with_variance(take(q, i), take(k, i), take(v, i), take(bias, i), scale,
                                      take(one_minus_pi, i), per_coordinate, check_empty)
