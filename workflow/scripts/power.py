@@ -33,6 +33,13 @@ SECONDARY = {"c4": ["auc_certificate", "auc_confidence"], "c5": ["gain_over_rand
              "c6": ["auc_certificate", "auc_confidence"], "c7": ["gain_over_random", "gain_over_confidence"]}
 
 
+
+def _shown(path: Path) -> str:
+    """A path as a committed file states it: relative to the repository when inside it."""
+    repo = Path(__file__).resolve().parents[2]
+    path = Path(path).resolve()
+    return str(path.relative_to(repo)) if path.is_relative_to(repo) else str(path)
+
 def sd_of(low: float, high: float, n: int) -> float:
     return (high - low) * math.sqrt(n) / (2 * Z)
 
@@ -134,7 +141,7 @@ def amendment4(claims_dirs: dict[str, Path], rows: list[dict], population: dict,
     return {"formula": "sd = width * sqrt(n) / (2 * 1.96); n_for_span = ceil((2 * 1.96 * sd_max / span)^2); "
                        "C6: k = width^2 / (1/n_inherent + 1/n_cache_induced), n_c6 = smallest n with "
                        "sqrt(k_max (1/(3 n p_inh) + 1/(3 n p_cache))) <= width target and 3 n min(p) >= runs target",
-            "studies": {s: str(d) for s, d in claims_dirs.items()}, "targets": targets,
+            "studies": {s: _shown(d) for s, d in claims_dirs.items()}, "targets": targets,
             "c1_c2": c1_c2, "c7": c7, "c6": {**k, **rates, "items": n_c6},
             "question_aware_items": c1_c2["items"], "streaming_items": n_streaming,
             "per_model": {"question_aware": math.ceil(c1_c2["items"] / len(population["models"])),
