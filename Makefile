@@ -84,9 +84,9 @@ reproduce-v2: install
 sensitivity: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=sensitivity
 
-## Amendment 4's pilot and design (preregistration/amendment-4.yaml, a draft until locked): stages A-D per model
-## on pilot items, the rules applied (pilot.csv, population.yaml), timing cells, power and design (timing.yaml,
-## power.yaml, design.yaml). Estimated 1-3 CPU-hours for SmolLM2 and 2-5 for Gemma 3: 3 to 5.5 hours on 2 cores.
+## Amendment 4's pilot and design (preregistration/amendment-4.yaml, locked with their outputs): stages A-D per
+## model on pilot items, the rules applied (pilot.csv, population.yaml), timing cells, power and design (timing.yaml,
+## power.yaml, design.yaml). It took 1 h 40 min on 2 cores shared with other jobs, the timing cells 2.5 minutes.
 .PHONY: pilot-amendment-4
 pilot-amendment-4: install model
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete amendment_4_design

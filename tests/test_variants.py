@@ -8,7 +8,6 @@ the analysis code. Every number here is exploratory test data, never a result.
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pandas as pd
@@ -111,21 +110,20 @@ def test_choices_replace_only_the_claim_they_name():
 
 
 def test_a_version_4_study_runs_the_variant_the_amendment_names(items, tmp_path):
-    """kvcert-claim with prereg_version=4 on a test copy of the pre-registration whose amendment 4 is locked
-    (placeholder pilot files): C5 comes from the named variant, C1 from amendment 2's frozen module."""
+    """kvcert-claim with prereg_version=4 on a copy of the pre-registration (amendment 4 as committed and locked):
+    C5 comes from the named variant, C1 from amendment 2's frozen module; a draft of it could not be locked."""
     root = locked_copy(tmp_path / "repo")
-    shutil.copy(prereg.find_root() / "src" / "kvcert" / "analysis" / "variants.py", root / "src" / "kvcert" / "analysis")
-    for name in ("pilot.csv", "population.yaml", "timing.yaml", "power.yaml", "design.yaml"):
-        path = root / "preregistration" / "amendment-4" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("placeholder of a test copy\n")
     document = root / prereg.AMENDMENT_4
     doc = yaml.safe_load(document.read_text())
+    assert not prereg.is_draft(doc)
+    prereg.verify_lock(root, 4)
+    # The same document as a draft refuses to be locked (what kept it unlocked until its pilot was applied).
+    draft = tmp_path / "draft"
+    locked_copy(draft)
+    (draft / "preregistration" / "amendment-4.lock").unlink()
+    (draft / prereg.AMENDMENT_4).write_text(yaml.safe_dump({**doc, "status": "DRAFT, not locked (a test copy)"}))
     with pytest.raises(prereg.PreregistrationError, match="is a draft"):
-        prereg.write_lock(root, number=4)
-    doc["status"] = "locked in a test copy"
-    document.write_text(yaml.safe_dump(doc))
-    prereg.write_lock(root, number=4)
+        prereg.write_lock(draft, number=4)
 
     cells = []
     for model in ("a", "b"):

@@ -84,7 +84,7 @@ VERSIONS[4] = Version(4, AMENDMENT_4, f"{PREREG_DIR}/amendment-4.lock",
 # Versions whose document is still a draft (its ``status`` begins with DRAFT_MARK): they have no lock yet, and
 # `kvcert-prereg verify` checks the versions before them. A version leaves this set when it is locked.
 DRAFT_MARK = "DRAFT"
-DRAFTS = frozenset({4})
+DRAFTS: frozenset[int] = frozenset()  # version 4 was locked on 2026-12-01
 LATEST = max(n for n in VERSIONS if n not in DRAFTS)
 CLAIM_KEYS = ("id", "title", "hypothesis", "population", "metric", "test", "decision", "paper_verdict", "paper_number")
 PAPER_VERDICTS = ("supported", "not supported")
