@@ -264,6 +264,12 @@ def test_low_precision_caches_are_read_in_leading_blocks(monkeypatch, dtype):
     monkeypatch.setattr(estimator, "CONVERT_BLOCK_ELEMENTS", 2 * 23 * 8)  # two leading rows (n x d keys) per block
     blocked = hajek_with_variance(q, k, v, bias, 0.3, tail)
     assert calls == [2, 2, 2]
+    calls.clear()
+    monkeypatch.setattr(estimator, "CONVERT_BLOCK_ELEMENTS", 23 * 8)  # one row per block, but at most 4 blocks
+    capped = hajek_with_variance(q, k, v, bias, 0.3, tail)
+    assert calls == [2, 2, 2]  # ceil(6 / 4) rows per block, and a block is not split again
+    for a, b in zip(whole, capped):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
     for a, b in zip(whole, blocked):
         assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)

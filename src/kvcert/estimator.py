@@ -142,8 +142,9 @@ def hajek_with_variance(
         # at a time, so that no float32 copy of all keys and values of the layer exists at once.
         block = max(1, CONVERT_BLOCK_ELEMENTS // k[:1].numel(), -(-k.shape[0] // MAX_CONVERT_BLOCKS))
         take = lambda x, i: x if x is None or x.shape[0] == 1 else x[i: i + block]  # noqa: E731
-        parts = [hajek_with_variance(take(q, i), take(k, i), take(v, i), take(bias, i), scale,
-                                     take(one_minus_pi, i), per_coordinate, check_empty)
+        # each block is converted here, so the call it goes to does not split it again
+        parts = [hajek_with_variance(take(q, i).to(dtype), take(k, i).to(dtype), take(v, i).to(dtype), take(bias, i),
+                                     scale, take(one_minus_pi, i), per_coordinate, check_empty)
                  for i in range(0, k.shape[0], block)]
         return tuple(torch.cat(tensors, dim=0) for tensors in zip(*parts))
     q, k, v = (t if t.dtype == dtype else t.to(dtype) for t in (q, k, v))
