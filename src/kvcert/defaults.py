@@ -139,7 +139,7 @@ KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "default
 DESIGN_KNOBS = (*(f.name for f in dataclasses.fields(DesignKnobs) if f.metadata.get("design_knob")),
                 *sorted(f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("design_knob")))
 
-# kvcert.estimator and kvcert.generation still import these two names; the values are the schema's.
+# kvcert.estimator and kvcert.calibration.apply import these two names; the values are the schema's.
 OBSERVATION_WINDOW = RUN.observation_window
 DELTA = RUN.delta
 

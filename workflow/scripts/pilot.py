@@ -41,7 +41,7 @@ DEFAULT_PAIR = (16, 5)  # versions 1-3's SnapKV window and kernel: first in the 
 POISSON_SEEDS = (0, 1, 2)
 
 
-def _shown(path: Path) -> str:
+def shown_path(path: Path) -> str:
     """A path as a committed file states it: relative to the repository when inside it."""
     repo = Path(__file__).resolve().parents[2]
     path = Path(path).resolve()
@@ -484,7 +484,7 @@ def choose_main(argv: list[str]) -> int:
     missing = [m for m in pilot["models"] if m not in models]
     if missing:
         raise SystemExit(f"{', '.join(map(str, args.pilot))}: no rows of model(s) {', '.join(missing)}")
-    doc = {"rules": _shown(args.amendment), "items_seed": pilot["items_seed"], **population(rows, pilot, pilot["models"])}
+    doc = {"rules": shown_path(args.amendment), "items_seed": pilot["items_seed"], **population(rows, pilot, pilot["models"])}
     write_text_atomic(_csv(rows, COLUMNS_4), args.csv)
     write_text_atomic(yaml.safe_dump(doc, sort_keys=False, width=110), args.out)
     print(yaml.safe_dump(doc, sort_keys=False, width=110), end="")

@@ -20,6 +20,7 @@ stage-D class rates (the amendment's power rule, stated there in words).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from pathlib import Path
@@ -33,12 +34,16 @@ SECONDARY = {"c4": ["auc_certificate", "auc_confidence"], "c5": ["gain_over_rand
              "c6": ["auc_certificate", "auc_confidence"], "c7": ["gain_over_random", "gain_over_confidence"]}
 
 
+@functools.cache
+def _pilot():
+    """workflow/scripts/pilot.py as a module: its row reader and its way of stating paths in committed files."""
+    import importlib.util
 
-def _shown(path: Path) -> str:
-    """A path as a committed file states it: relative to the repository when inside it."""
-    repo = Path(__file__).resolve().parents[2]
-    path = Path(path).resolve()
-    return str(path.relative_to(repo)) if path.is_relative_to(repo) else str(path)
+    spec = importlib.util.spec_from_file_location("pilot", Path(__file__).with_name("pilot.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 def sd_of(low: float, high: float, n: int) -> float:
     return (high - low) * math.sqrt(n) / (2 * Z)
@@ -141,7 +146,7 @@ def amendment4(claims_dirs: dict[str, Path], rows: list[dict], population: dict,
     return {"formula": "sd = width * sqrt(n) / (2 * 1.96); n_for_span = ceil((2 * 1.96 * sd_max / span)^2); "
                        "C6: k = width^2 / (1/n_inherent + 1/n_cache_induced), n_c6 = smallest n with "
                        "sqrt(k_max (1/(3 n p_inh) + 1/(3 n p_cache))) <= width target and 3 n min(p) >= runs target",
-            "studies": {s: _shown(d) for s, d in claims_dirs.items()}, "targets": targets,
+            "studies": {s: _pilot().shown_path(d) for s, d in claims_dirs.items()}, "targets": targets,
             "c1_c2": c1_c2, "c7": c7, "c6": {**k, **rates, "items": n_c6},
             "question_aware_items": c1_c2["items"], "streaming_items": n_streaming,
             "per_model": {"question_aware": math.ceil(c1_c2["items"] / len(population["models"])),
@@ -165,11 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--v1-claims, --n-qa and --n-streaming are required without --amendment")
         print(yaml.safe_dump(analysis(args.v1_claims, args.span, args.n_qa, args.n_streaming), sort_keys=False, width=110))
         return 0
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("pilot", Path(__file__).with_name("pilot.py"))
-    pilot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pilot)
+    pilot = _pilot()
     targets = yaml.safe_load(args.amendment.read_text())["power"]["span_targets"]
     studies = dict(item.split("=", 1) for item in args.studies)
     doc = amendment4({s: Path(d) for s, d in studies.items()}, pilot.read_rows([args.pilot]),
