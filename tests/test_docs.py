@@ -147,7 +147,8 @@ def test_one_study_page_per_study_of_the_default_scale():
 
 
 def test_named_studies_exist():
-    known = set(studies(load_scale("default", SCALES))) | {
+    # a study named in the docs is one some scale defines (v4-full: scale v4-full), computed or exploratory
+    known = {name for scale in SCALES.glob("*.yaml") for name in studies(load_scale(scale.stem, SCALES))} | {
         name for scale in SCALES.glob("*.yaml") for name in exploratory(load_scale(scale.stem, SCALES))}
     for page in PAGES:
         for name in re.findall(r"\bstud(?:y|ies) `([\w-]+)`", text(page)):
@@ -255,6 +256,8 @@ CELL_SECONDS = [
     ("v3.md", "5,473 cell-seconds (45.6 minutes two at a time", "v3"),
     ("v3.md", "the 17 cells", "v3"),
     ("v2-full.md", "34,712 cell-seconds", "v2-full"),
+    ("v4.md", "7,796 cell-seconds (65.0 minutes two at a time", "v4"),
+    ("v4.md", "the 46 cells", "v4"),
 ]
 
 
@@ -389,6 +392,33 @@ PROSE = [
       {"study": "v3", "quantity": "failure-prediction AUC: certificate"}], ["ours"]),
     ("v3.md", "with Spearman\n0.926 the binding component", "0.926", "claims.csv", [{"study": "v3", "claim": "c3"}],
      ["estimate"]),
+    ("v4.md", "attribution AUC is\n  0.671 [0.597, 0.743]", "0.671 [0.597, 0.743]", "claims.csv",
+     [{"study": "v4", "claim": "c6"}], ["estimate", "ci_low", "ci_high"]),
+    ("v4.md", "confidence's 0.555 (difference +0.116 [0.037, 0.197])", "0.555",
+     "reproduction.csv", [{"study": "v4", "quantity": "attribution AUC: confidence"}], ["ours"]),
+    ("v4.md", "Per model it is 0.50 (Gemma", "0.50", "claims_by_model.csv",
+     [{"study": "v4", "claim": "c6", "model": "gemma3"}], ["estimate"]),
+    ("v4.md", "and 0.57\n  (SmolLM2)", "0.57", "claims_by_model.csv",
+     [{"study": "v4", "claim": "c6", "model": "smollm2"}], ["estimate"]),
+    ("v4.md", "gains +5.3 [3.3, 7.1] points", "+5.3 [3.3, 7.1]", "reproduction.csv",
+     [{"study": "v4", "quantity": "recompute gain over random gating (points)"}], ["ours", "ci_low", "ci_high"]),
+    ("v4.md", "and +2.9 [0.5, 5.2] over confidence gating", "+2.9 [0.5, 5.2]", "claims.csv",
+     [{"study": "v4", "claim": "c7"}], ["estimate", "ci_low", "ci_high"]),
+    ("v4.md", "the binding component is Poisson at 25%, −17.5 [−19.4, −15.5]", "−17.5 [−19.4, −15.5]", "claims.csv",
+     [{"study": "v4", "claim": "c1"}], ["estimate", "ci_low", "ci_high"]),
+    ("v4.md", "top-k by −11.0 [−12.7, −9.1] points", "−11.0 [−12.7, −9.1]", "claims.csv",
+     [{"study": "v4", "claim": "c2"}], ["estimate", "ci_low", "ci_high"]),
+    ("v4.md", "(coverage 0.970 [0.968, 0.972], Spearman 0.926;", "0.970 [0.968, 0.972]",
+     "reproduction.csv", [{"study": "v4", "quantity": "certificate coverage"}], ["ours", "ci_low", "ci_high"]),
+    ("v4.md", "error at 25% 0.043 for\n  Poisson+Hájek vs 0.066", "0.043 for\n  Poisson+Hájek vs 0.066", "reproduction.csv",
+     [{"study": "v4", "quantity": "median relative error at 25%: Poisson+Hajek"},
+      {"study": "v4", "quantity": "median relative error at 25%: top-k"}], ["ours"]),
+    ("v4.md", "failure AUC is 0.36 against the output log-probability's 0.81", "0.36 against the output "
+     "log-probability's 0.81", "reproduction.csv",
+     [{"study": "v4", "quantity": "failure-prediction AUC: certificate"},
+      {"study": "v4", "quantity": "failure-prediction AUC: confidence"}], ["ours"]),
+    ("v4.md", "is supported: +2.5 [1.8, 3.2] points", "+2.5 [1.8, 3.2]", "claims.csv",
+     [{"study": "v4", "claim": "c5"}], ["estimate", "ci_low", "ci_high"]),
     ("v3.md", "relative error 0.021 vs top-k 0.054", "0.021 vs top-k 0.054", "reproduction.csv",
      [{"study": "v3", "quantity": "median relative error at 25%: Poisson+Hajek"},
       {"study": "v3", "quantity": "median relative error at 25%: top-k"}], ["ours"]),
@@ -416,6 +446,7 @@ FULL_CACHE = [
     ("v2.md", "SmolLM2 97.6% (question-aware) and 98.3% (streaming), Gemma 3 99.4% and 99.0%", "v2"),
     ("v3.md", "SmolLM2 96.6%\n(question-aware) and 95.7% (streaming), Gemma 3 98.9% and 98.0%", "v3"),
     ("v2-full.md", "SmolLM2 98.4% (question-aware)\nand 98.3% (streaming), Gemma 3 97.7% and 99.0%", "v2-full"),
+    ("v4.md", "SmolLM2 76.9% (question-aware) and\n85.7% (streaming), Gemma 3 59.4% and 61.9%", "v4"),
 ]
 
 
@@ -437,7 +468,19 @@ def test_readme_prose_figures_are_the_claims_table():
     assert f"powered design's {n_full} items" in readme and f"({n_full} question-aware items)" in readme
     assert f"the {abs(float(claims[('v2-full', 'c2')]['threshold'])):g}-point margin" in readme
     assert all(claims[(s, "c3")]["verdict"] == "supported" for s, _ in claims)  # "C3 supported in every study"
-    assert all(claims[(s, "c2")]["verdict"] == "inconclusive" for s, _ in claims)  # "C2 stays inconclusive"
+    # "C2 is never supported: inconclusive in v1-v3 ..., and not supported in v4"
+    assert [claims[(s, "c2")]["verdict"] for s in ("v1", "v2", "v2-full", "v3")] == ["inconclusive"] * 4
+    assert claims[("v4", "c2")]["verdict"] == "not supported"
+    assert all(claims[(s, "c1")]["verdict"] == "not supported" for s, _ in claims)  # "C1 is not supported in any study"
+    # v4's figures in the bullets, as claims.csv gives them (two decimals; the AUC four)
+    c6 = json.loads((RESULTS / "v4" / "claims" / "c6.json").read_text())["details"]
+    assert f"C6 counts {c6['n_inherent']} inherent and {c6['n_cache_induced']} cache-induced failing runs" in readme
+    for claim, shown in (("c1", "Poisson at 25%: {:.2f} points"), ("c2", "at 25% answers {:.2f} points"),
+                         ("c5", "escalation gains {:.2f} points"), ("c6", "attribution AUC, {:.4f}, is inconclusive"),
+                         ("c7", "C7 is supported (+{:.2f} points")):
+        r = claims[("v4", claim)]
+        assert shown.format(float(r["estimate"])) in readme, (claim, shown)
+    assert claims[("v4", "c6")]["verdict"] == "inconclusive" and claims[("v4", "c7")]["verdict"] == "supported"
 
 
 def test_calibration_study_table_is_the_benchmarks_output():
@@ -604,7 +647,7 @@ ACCURACY_LINE = re.compile(
     r"sampling at 25% \(oracle items\): SmolLM2 ([\d.]+), Gemma 3 ([\d.]+)\.")
 
 
-@pytest.mark.parametrize("study", ["v3", "v2-full"])
+@pytest.mark.parametrize("study", ["v3", "v2-full", "v4"])
 def test_accuracy_sentence_is_accuracy_csv(study):
     found = ACCURACY_LINE.search(text(STUDY_DOCS / f"{study}.md"))
     assert found, f"docs/studies/{study}.md lost its accuracy sentence"
