@@ -86,7 +86,7 @@ def _scale_counts(scale: str, study: str) -> dict:
 
 @pytest.mark.parametrize("scale, study, number, design", [("v2", "v2", 2, "reproduce_90_minutes"),
                                                           ("v2-full", "v2-full", 2, "reproduce_full"),
-                                                          ("default", "v3", 3, "reproduce_90_minutes")])
+                                                          ("v3", "v3", 3, "reproduce_90_minutes")])
 def test_the_scales_run_the_locked_design(scale, study, number, design):
     """The workflow's scale files run exactly the item counts the locked amendment states."""
     amendment = prereg.load_amendment(ROOT, number)

@@ -66,11 +66,13 @@ def test_the_rule_scales_only_the_cells_it_does_not_keep_and_fits_the_budget(tmp
         resize_design.resize(measured, budget_seconds=100.0, keep=("oracle",))
 
 
-def test_the_default_scale_is_amendment_2s_design_resized_on_fresh_items():
-    v2, default = _scale("v2")["studies"]["v2"], _scale("default")["studies"]
-    assert default["v1"] == {"prereg": 1, "archived": True} and default["v2"] == {"prereg": 2, "archived": True}
-    assert default["v2-full"] == {"prereg": 2, "archived": True}  # make reproduce-full's record, tabulated beside
-    v3 = default["v3"]
+def test_the_v3_scale_is_amendment_2s_design_resized_on_fresh_items():
+    """Scale v3 (`make reproduce-v3`; the default scale until amendment 4, which reads it as a record)."""
+    v2, scale = _scale("v2")["studies"]["v2"], _scale("v3")["studies"]
+    assert scale["v1"] == {"prereg": 1, "archived": True} and scale["v2"] == {"prereg": 2, "archived": True}
+    assert scale["v2-full"] == {"prereg": 2, "archived": True}  # make reproduce-full's record, tabulated beside
+    assert _scale("default")["studies"]["v3"] == {"prereg": 3, "archived": True}
+    v3 = scale["v3"]
     assert v3["prereg"] == 3 and sorted(v3["cells"]) == sorted(v2["cells"])
     for name, cell in v3["cells"].items():
         old = v2["cells"][name]

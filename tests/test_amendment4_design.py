@@ -122,3 +122,12 @@ def test_the_design_scales_to_the_budget_and_keeps_c6s_floor(resize):
         assert uniform["counts"]["streaming-smollm2"] == math.floor(320 * uniform["factor"])
     roomy = resize.design(POPULATION, power, timing, 1e7, seeds, c6_min_items=400)
     assert roomy["fits"] and roomy["reproduce_90_minutes"]["counts"] == roomy["powered"]["counts"]
+
+
+@pytest.mark.parametrize("scale, study, design", [("default", "v4", "reproduce_90_minutes"),
+                                                  ("v4-full", "v4-full", "powered")])
+def test_the_scales_are_the_locked_designs_studies_unchanged(scale, study, design):
+    """Study v4 (`make reproduce`) and v4-full (`make reproduce-v4-full`) are design.yaml's studies, copied unchanged."""
+    locked = yaml.safe_load((ROOT / "preregistration" / "amendment-4" / "design.yaml").read_text())[design]["study"]
+    written = yaml.safe_load((ROOT / "workflow" / "scales" / f"{scale}.yaml").read_text())["studies"][study]
+    assert written == locked
