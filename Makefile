@@ -103,12 +103,12 @@ pilot-amendment-4: install model
 
 ## Recompute committed studies into results/verify and compare their rows of claims.csv, reproduction.csv
 ## and accuracy.csv with the committed ones: make verify-results STUDIES=v3 (any of the default scale's
-## studies; default all, about 9 hours on 2 cores, 5 of them the powered study v2-full; v3 alone about an
-## hour). A study archived by the default scale is recomputed by its own scale (workflow/scales/<study>.yaml),
+## studies; default all, about 10 hours on 2 cores, 5 of them the powered study v2-full; v3 or v4 alone
+## about an hour). A study archived by the default scale is recomputed by its own scale (workflow/scales/<study>.yaml),
 ## the others by the default scale. The comparison (workflow/scripts/compare_results.py) is the smoke test's
 ## platform rule: byte for byte when this machine's numeric platform (CPU instruction set, torch,
 ## transformers) equals the one the record's cell manifests state; elsewhere the same verdicts, sample sizes
-## and accuracies, and every other number within 1e-6 relative. It prints which comparison it made.
+## and accuracies, and every other number within 1e-5 relative. It prints which comparison it made.
 VERIFY_OUT ?= results/verify
 STUDIES ?= $(shell $(BIN)/python workflow/scripts/compare_results.py --list)
 verify-results: install
