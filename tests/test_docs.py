@@ -148,8 +148,8 @@ def test_one_study_page_per_study_of_the_default_scale():
 
 def test_named_studies_exist():
     # a study named in the docs is one some scale defines (v4-full: scale v4-full), computed or exploratory
-    known = {name for scale in SCALES.glob("*.yaml") for name in studies(load_scale(scale.stem, SCALES))} | {
-        name for scale in SCALES.glob("*.yaml") for name in exploratory(load_scale(scale.stem, SCALES))}
+    scales = [load_scale(path.stem, SCALES) for path in SCALES.glob("*.yaml")]
+    known = {name for scale in scales for name in (*studies(scale), *exploratory(scale))}
     for page in PAGES:
         for name in re.findall(r"\bstud(?:y|ies) `([\w-]+)`", text(page)):
             assert name in known, f"{page.relative_to(ROOT)} names study {name!r}"
