@@ -2,7 +2,6 @@
 # pre-registration version first (kvcert-claim refuses on any edit), reads every cell of the study and
 # filters its own population with that version's frozen analysis code.
 
-from kvcert.analysis.prereg import frozen_files
 
 CLAIM_JSON = [f"{study_dir(study)}/claims/{claim}.json" for study in STUDIES for claim in CLAIMS]
 CLAIM_FIGURES = [f"{FIG}/{study}/{claim}.{ext}" for study in COMPUTED for claim in CLAIMS for ext in ("png", "pdf")]
@@ -14,9 +13,10 @@ localrules:
 
 
 rule verify_preregistration:
-    input:
-        # every file the locks up to this version freeze: an edit reruns the verification, which then fails
-        lambda wc: [f"{REPO}/{rel}" for rel in frozen_files(REPO, int(wc.version))],
+    # No inputs: the frozen files are watched through params.analysis, which hashes all of preregistration/ and
+    # the analysis code, so an edit reruns the verification, which then fails. As inputs they would pull in the
+    # design rules that made some of them (design.smk): a fresh clone would rerun an amendment's pilot and
+    # timing cells and overwrite its locked files (timing.yaml holds wall-clock times), and the lock would fail.
     output:
         f"{OUT}/logs/preregistration-v{{version}}.verified",
     params:
