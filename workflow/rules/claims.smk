@@ -2,7 +2,6 @@
 # pre-registration version first (kvcert-claim refuses on any edit), reads every cell of the study and
 # filters its own population with that version's frozen analysis code.
 
-
 CLAIM_JSON = [f"{study_dir(study)}/claims/{claim}.json" for study in STUDIES for claim in CLAIMS]
 CLAIM_FIGURES = [f"{FIG}/{study}/{claim}.{ext}" for study in COMPUTED for claim in CLAIMS for ext in ("png", "pdf")]
 
