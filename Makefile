@@ -70,7 +70,7 @@ reproduce-full: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v2-full
 
 ## Amendment 4's powered design, study v4-full (workflow/scales/v4-full.yaml, copied from
-## preregistration/amendment-4/design.yaml): estimated 15,829 cell-seconds, about 2.2 hours on 2 cores; not run yet.
+## preregistration/amendment-4/design.yaml): estimated 15,829 cell-seconds (about 2.2 hours); it took 2 h 46 min on 2 cores.
 reproduce-v4-full: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v4-full
 
@@ -103,8 +103,8 @@ pilot-amendment-4: install model
 
 ## Recompute committed studies into results/verify and compare their rows of claims.csv, reproduction.csv
 ## and accuracy.csv with the committed ones: make verify-results STUDIES=v3 (any of the default scale's
-## studies; default all, about 10 hours on 2 cores, 5 of them the powered study v2-full; v3 or v4 alone
-## about an hour). A study archived by the default scale is recomputed by its own scale (workflow/scales/<study>.yaml),
+## studies; default all, about 13 hours on 2 cores: about 5 the powered study v2-full, 2 h 46 min the powered
+## study v4-full, v3 or v4 alone about an hour). A study archived by the default scale is recomputed by its own scale (workflow/scales/<study>.yaml),
 ## the others by the default scale. The comparison (workflow/scripts/compare_results.py) is the smoke test's
 ## platform rule: byte for byte when this machine's numeric platform (CPU instruction set, torch,
 ## transformers) equals the one the record's cell manifests state; elsewhere the same verdicts, sample sizes

@@ -131,3 +131,10 @@ def test_the_scales_are_the_locked_designs_studies_unchanged(scale, study, desig
     locked = yaml.safe_load((ROOT / "preregistration" / "amendment-4" / "design.yaml").read_text())[design]["study"]
     written = yaml.safe_load((ROOT / "workflow" / "scales" / f"{scale}.yaml").read_text())["studies"][study]
     assert written == locked
+
+
+def test_the_default_scale_reads_the_powered_study_as_a_record():
+    """`make reproduce` tabulates v4-full's committed results beside v4; `make reproduce-v4-full` regenerates them."""
+    default = yaml.safe_load((ROOT / "workflow" / "scales" / "default.yaml").read_text())["studies"]
+    assert default["v4-full"] == {"prereg": 4, "archived": True}
+    assert list(default)[-2:] == ["v4", "v4-full"]  # the grid's columns: v4, then its powered design

@@ -258,6 +258,8 @@ CELL_SECONDS = [
     ("v2-full.md", "34,712 cell-seconds", "v2-full"),
     ("v4.md", "7,796 cell-seconds (65.0 minutes two at a time", "v4"),
     ("v4.md", "the 46 cells", "v4"),
+    ("v4-full.md", "18,930 cell-seconds (157.8 minutes two at a time", "v4-full"),
+    ("v4-full.md", "its 92 cells", "v4-full"),
 ]
 
 
@@ -419,6 +421,38 @@ PROSE = [
       {"study": "v4", "quantity": "failure-prediction AUC: confidence"}], ["ours"]),
     ("v4.md", "is supported: +2.5 [1.8, 3.2] points", "+2.5 [1.8, 3.2]", "claims.csv",
      [{"study": "v4", "claim": "c5"}], ["estimate", "ci_low", "ci_high"]),
+    ("v4-full.md", "gains +1.6\n  [0.0, 3.1] points over confidence gating", "+1.6\n  [0.0, 3.1]", "claims.csv",
+     [{"study": "v4-full", "claim": "c7"}], ["estimate", "ci_low", "ci_high"]),
+    ("v4-full.md", "Over random gating it gains +4.7 [3.2, 6.1]", "+4.7 [3.2, 6.1]", "reproduction.csv",
+     [{"study": "v4-full", "quantity": "recompute gain over random gating (points)"}], ["ours", "ci_low", "ci_high"]),
+    ("v4-full.md", "gain over confidence is −0.6 (Gemma", "−0.6", "claims_by_model.csv",
+     [{"study": "v4-full", "claim": "c7", "model": "gemma3"}], ["estimate"]),
+    ("v4-full.md", "and −0.2 (SmolLM2), both inconclusive", "−0.2", "claims_by_model.csv",
+     [{"study": "v4-full", "claim": "c7", "model": "smollm2"}], ["estimate"]),
+    ("v4-full.md", "attribution AUC 0.608 [0.555, 0.660]", "0.608 [0.555, 0.660]", "claims.csv",
+     [{"study": "v4-full", "claim": "c6"}], ["estimate", "ci_low", "ci_high"]),
+    ("v4-full.md", "no better than confidence's 0.596", "0.596", "reproduction.csv",
+     [{"study": "v4-full", "quantity": "attribution AUC: confidence"}], ["ours"]),
+    ("v4-full.md", "Per model it is 0.48 (Gemma", "0.48", "claims_by_model.csv",
+     [{"study": "v4-full", "claim": "c6", "model": "gemma3"}], ["estimate"]),
+    ("v4-full.md", "and 0.63 (SmolLM2,", "0.63", "claims_by_model.csv",
+     [{"study": "v4-full", "claim": "c6", "model": "smollm2"}], ["estimate"]),
+    ("v4-full.md", "Poisson at 25%, is −17.4 [−18.8, −16.0] points", "−17.4 [−18.8, −16.0]", "claims.csv",
+     [{"study": "v4-full", "claim": "c1"}], ["estimate", "ci_low", "ci_high"]),
+    ("v4-full.md", "answers −11.8 [−13.1, −10.6] points", "−11.8 [−13.1, −10.6]", "claims.csv",
+     [{"study": "v4-full", "claim": "c2"}], ["estimate", "ci_low", "ci_high"]),
+    ("v4-full.md", "pooled −0.457 [−0.486, −0.429]", "−0.457 [−0.486, −0.429]", "claims.csv",
+     [{"study": "v4-full", "claim": "c4"}], ["estimate", "ci_low", "ci_high"]),
+    ("v4-full.md", "+2.27 [1.77, 2.79] points over random", "+2.27 [1.77, 2.79]", "claims.csv",
+     [{"study": "v4-full", "claim": "c5"}], ["estimate", "ci_low", "ci_high"]),
+    ("v4-full.md", "Gemma 3 +3.1 [2.2, 4.0]", "+3.1 [2.2, 4.0]", "claims_by_model.csv",
+     [{"study": "v4-full", "claim": "c5", "model": "gemma3"}], ["estimate", "ci_low", "ci_high"]),
+    ("v4-full.md", "SmolLM2 +1.5 [1.0, 2.0]", "+1.5 [1.0, 2.0]", "claims_by_model.csv",
+     [{"study": "v4-full", "claim": "c5", "model": "smollm2"}], ["estimate", "ci_low", "ci_high"]),
+    ("v4-full.md", "coverage 0.970 [0.968, 0.972], Spearman", "0.970 [0.968, 0.972]", "reproduction.csv",
+     [{"study": "v4-full", "quantity": "certificate coverage"}], ["ours", "ci_low", "ci_high"]),
+    ("v4-full.md", "Spearman 0.926", "0.926", "reproduction.csv",
+     [{"study": "v4-full", "quantity": "Spearman(certificate, true error)"}], ["ours"]),
     ("v3.md", "relative error 0.021 vs top-k 0.054", "0.021 vs top-k 0.054", "reproduction.csv",
      [{"study": "v3", "quantity": "median relative error at 25%: Poisson+Hajek"},
       {"study": "v3", "quantity": "median relative error at 25%: top-k"}], ["ours"]),
@@ -447,6 +481,7 @@ FULL_CACHE = [
     ("v3.md", "SmolLM2 96.6%\n(question-aware) and 95.7% (streaming), Gemma 3 98.9% and 98.0%", "v3"),
     ("v2-full.md", "SmolLM2 98.4% (question-aware)\nand 98.3% (streaming), Gemma 3 97.7% and 99.0%", "v2-full"),
     ("v4.md", "SmolLM2 76.9% (question-aware) and\n85.7% (streaming), Gemma 3 59.4% and 61.9%", "v4"),
+    ("v4-full.md", "SmolLM2 76.9% (question-aware) and 77.0% (streaming), Gemma 3 58.4% and 63.2%", "v4-full"),
 ]
 
 
@@ -481,6 +516,17 @@ def test_readme_prose_figures_are_the_claims_table():
         r = claims[("v4", claim)]
         assert shown.format(float(r["estimate"])) in readme, (claim, shown)
     assert claims[("v4", "c6")]["verdict"] == "inconclusive" and claims[("v4", "c7")]["verdict"] == "supported"
+    # v4-full's figures beside v4's
+    assert claims[("v4-full", "c2")]["verdict"] == "not supported"
+    for claim, shown in (("c1", "{:.2f} in the powered v4-full"), ("c2", "than top-k (v4-full: {:.2f})"),
+                         ("c5", "(v4-full: {:.2f}, and supported in each model)"),
+                         ("c6", "attribution AUC, {:.4f}, is inconclusive"), ("c7", "shrinks to +{:.2f} points")):
+        assert shown.format(float(claims[("v4-full", claim)]["estimate"])) in readme, (claim, shown)
+    assert claims[("v4-full", "c6")]["verdict"] == "inconclusive" == claims[("v4-full", "c7")]["verdict"]
+    assert float(claims[("v4-full", "c7")]["ci_low"]) <= 0  # "an interval that touches zero"
+    by_model = [r for r in rows(RESULTS / "claims_by_model.csv") if r["study"] == "v4-full"]
+    assert {r["verdict"] for r in by_model if r["claim"] == "c5"} == {"supported"}  # "supported in each model"
+    assert {r["verdict"] for r in by_model if r["claim"] == "c7"} == {"inconclusive"}
 
 
 def test_calibration_study_table_is_the_benchmarks_output():
@@ -647,7 +693,7 @@ ACCURACY_LINE = re.compile(
     r"sampling at 25% \(oracle items\): SmolLM2 ([\d.]+), Gemma 3 ([\d.]+)\.")
 
 
-@pytest.mark.parametrize("study", ["v3", "v2-full", "v4"])
+@pytest.mark.parametrize("study", ["v3", "v2-full", "v4", "v4-full"])
 def test_accuracy_sentence_is_accuracy_csv(study):
     found = ACCURACY_LINE.search(text(STUDY_DOCS / f"{study}.md"))
     assert found, f"docs/studies/{study}.md lost its accuracy sentence"

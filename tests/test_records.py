@@ -13,7 +13,7 @@ from kvcert.analysis import prereg
 from kvcert.scales import load_scale, override_value, studies
 
 ROOT = prereg.find_root(__file__)
-RECORDS = [("v1", "v1"), ("v2", "v2"), ("v2-full", "v2-full"), ("v3", "v3"), ("default", "v4")]
+RECORDS = [("v1", "v1"), ("v2", "v2"), ("v2-full", "v2-full"), ("v3", "v3"), ("default", "v4"), ("v4-full", "v4-full")]
 
 
 def _cells(scale: str, study: str) -> dict:
@@ -74,5 +74,18 @@ def test_the_powered_record_repeats_version_2s_oracle_and_streaming_cells_byte_f
     old, new = _manifests("v2", cell, v2), _manifests("v2-full", cell, full)
     for a, b in zip(old, new):
         assert a["code_fingerprint"] != b["code_fingerprint"]
+        for table in ("items.parquet", "steps.parquet"):
+            assert a["outputs_sha256"][table] == b["outputs_sha256"][table], (cell, table)
+
+
+@pytest.mark.parametrize("cell", ["oracle-smollm2", "oracle-gemma3"])
+def test_amendment_4s_powered_record_repeats_study_v4s_oracle_cells_byte_for_byte(cell):
+    """Study v4-full's oracle cells are study v4's (design.yaml gives both designs the same oracle items, seeds and
+    shard), and `make reproduce-v4-full` ran on the library that made v4: their tables must be identical."""
+    v4, full = _cells("default", "v4")[cell], _cells("v4-full", "v4-full")[cell]
+    assert v4 == full
+    old, new = _manifests("v4", cell, v4), _manifests("v4-full", cell, full)
+    for a, b in zip(old, new):
+        assert a["code_fingerprint"] == b["code_fingerprint"]
         for table in ("items.parquet", "steps.parquet"):
             assert a["outputs_sha256"][table] == b["outputs_sha256"][table], (cell, table)
