@@ -559,8 +559,9 @@ def test_readme_states_verify_results_tolerance():
     spec = importlib.util.spec_from_file_location("compare_results", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    stated = re.search(r"every other number within ([\d.e+-]+) relative", " ".join(text(README).split()))
-    assert stated and float(stated.group(1)) == module.RTOL
+    stated = re.search(r"every other number within ([\d.e+-]+) relative or (\d+)% of its row's 95% interval width",
+                       " ".join(text(README).split()))
+    assert stated and float(stated.group(1)) == module.RTOL and float(stated.group(2)) / 100 == module.WIDTH_FRACTION
 
 
 def test_errors_page_lists_every_refusal_of_kvcert_calibrate():

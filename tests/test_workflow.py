@@ -209,6 +209,22 @@ def test_published_notebook_names_archived_inputs_relative_to_the_run(tmp_path, 
     assert not (tmp_path / "again.ipynb").exists()
 
 
+def test_published_notebook_is_the_same_bytes_whatever_id_snakemake_gives_its_preamble(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("publish_notebook", ROOT / "workflow" / "scripts" / "publish_notebook.py")
+    publish = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(publish)
+    monkeypatch.chdir(tmp_path)
+    published = []
+    for run, cell_id in enumerate(("12113d24", "c46c6cf7")):  # two ids Snakemake gave the same notebook's preamble
+        raw = tmp_path / f"executed-{run}.ipynb"
+        raw.write_text(json.dumps({"cells": [{"cell_type": "code", "id": cell_id, "metadata": {}, "outputs": [],
+                                              "execution_count": 1, "source": [f"# {publish.PREAMBLE_MARK}\n"]}],
+                                   "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+        publish.publish(raw, tmp_path / f"out-{run}.ipynb", {"claims": "results/claims.csv"}, [], "notebook_claims")
+        published.append((tmp_path / f"out-{run}.ipynb").read_bytes())
+    assert published[0] == published[1] and b'"id": "preamble"' in published[0]
+
+
 def test_scripts_run_by_snakemake_compile_after_its_preamble():
     """Snakemake's `script:` puts its own preamble before a script's first line, so a `from __future__`
     import there is a SyntaxError at run time only (the sensitivity table once failed this way after its

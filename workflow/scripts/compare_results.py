@@ -12,7 +12,9 @@ rule (tests/test_workflow.py):
   record's, which every cell manifest of the studies' committed records states;
 - elsewhere (another instruction set rounds float32 differently): the same rows, every non-float column
   equal (verdicts, agreement, sample sizes, labels), accuracy.csv equal in every column (the accuracies),
-  and the other floats (estimates, interval ends, coverage, Spearman) equal within ``RTOL``/``ATOL``.
+  and the other floats (estimates, interval ends, coverage, Spearman) equal within ``RTOL``/``ATOL`` or, in a
+  row that states its 95% interval (``ci_low``, ``ci_high``), within ``WIDTH_FRACTION`` of the record's
+  interval width, whichever is larger.
 
 It prints which comparison it made and one line per table; the exit status is 1 when any table differs
 (with the differing values) and 2 on bad input (one line naming the study, file or column).
@@ -36,10 +38,18 @@ TABLES = ("claims.csv", "reproduction.csv", "accuracy.csv")
 # ‖ô − o‖ takes that from outputs ten times its size. The smoke tables measured on AVX512 against the AVX2
 # reference differ by 1.4e-6 relative in two median relative errors, so 1e-6 refused a correct rerun.
 RTOL, ATOL = 1e-5, 1e-9
+# A proportion over many indicators moves by whole indicators: the certificate coverage of v3's record (AVX2)
+# recomputed on AVX512 counts 2 of its 139,320 step indicators differently (1.5e-5 relative; the flipped rows'
+# true error and certificate are both below 2e-6 of the output, i.e. rounding noise, docs/studies/v3.md), which
+# RTOL refuses. A number that moves by a hundredth of its own 95% interval's width cannot be told from
+# sampling noise and leaves the interval where it was, so such rows also pass within that fraction of the
+# record's width (this rule was added after that verification, and says so in README and docs/pipeline.md).
+WIDTH_FRACTION = 0.01
 # Tables whose floats are accuracies, equal on every platform where the same tokens are generated.
 EXACT_TABLES = ("accuracy.csv",)
 # What a cell manifest records of kvcert.provenance.numeric_platform (it does not record the machine).
 PLATFORM_KEYS = ("cpu_capability", "torch", "transformers")
+TOLERANCE = f"rtol {RTOL:g} (atol {ATOL:g}) or {WIDTH_FRACTION:g} of the row's interval width"
 SCALES = Path(__file__).resolve().parents[1] / "scales"
 
 
@@ -90,6 +100,14 @@ def _plain(value):
     return value.item() if isinstance(value, np.generic) else value
 
 
+def _interval_width(frame: pd.DataFrame) -> np.ndarray:
+    """Each row's 95% interval width (ci_high - ci_low) in the record; 0 where the row states none."""
+    if not {"ci_low", "ci_high"} <= set(frame.columns):
+        return np.zeros(len(frame))
+    low, high = (pd.to_numeric(frame[c], errors="coerce").to_numpy(float) for c in ("ci_low", "ci_high"))
+    return np.nan_to_num(np.abs(high - low), nan=0.0, posinf=0.0)
+
+
 def compare_table(committed: Path, fresh: Path, studies: list[str], byte_for_byte: bool) -> list[str]:
     """Differences of the studies' rows between two copies of one table (empty when they agree)."""
     (head_a, rows_a), (head_b, rows_b) = _study_lines(committed, studies), _study_lines(fresh, studies)
@@ -106,11 +124,14 @@ def compare_table(committed: Path, fresh: Path, studies: list[str], byte_for_byt
     if len(a) != len(b):
         return [f"{len(a)} rows vs {len(b)}"]
     exact = committed.name in EXACT_TABLES
+    width = _interval_width(a)
     diffs = []
     for column in a.columns:
         x, y = a[column], b[column]
         if not exact and pd.api.types.is_float_dtype(x) and pd.api.types.is_float_dtype(y):
-            same = np.isclose(x.to_numpy(float), y.to_numpy(float), rtol=RTOL, atol=ATOL, equal_nan=True)
+            x_, y_ = x.to_numpy(float), y.to_numpy(float)
+            tolerance = np.maximum(ATOL + RTOL * np.abs(y_), WIDTH_FRACTION * width)
+            same = (np.abs(x_ - y_) <= tolerance) | (np.isnan(x_) & np.isnan(y_))
         else:
             same = ((x == y) | (x.isna() & y.isna())).to_numpy()
         for i in np.flatnonzero(~same):
@@ -128,7 +149,7 @@ def compare(committed: Path, fresh: Path, studies: list[str], byte_for_byte: boo
             if byte_for_byte:
                 agreed = "identical"
             else:
-                agreed = "equal" if name in EXACT_TABLES else f"equal, floats within rtol {RTOL:g}"
+                agreed = "equal" if name in EXACT_TABLES else f"equal, floats within {TOLERANCE}"
             print(f"verify-results: {name} ({', '.join(studies)}): {agreed}")
             continue
         ok = False
@@ -172,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"verify-results: this machine's numeric platform {here} is not the record's "
               f"({record or 'not one platform in its manifests'}): verdicts, sample sizes and accuracies equal, "
-              f"other numbers within rtol {RTOL:g} / atol {ATOL:g}")
+              f"other numbers within {TOLERANCE}")
     try:
         return 0 if compare(args.committed, args.fresh, args.studies, byte_for_byte) else 1
     except CompareError as err:

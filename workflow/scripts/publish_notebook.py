@@ -3,8 +3,8 @@
 Snakemake's notebook directive executes a copy of the frozen notebook with a first cell (the "preamble")
 that unpickles the job object and extends ``sys.path`` with this machine's absolute paths. The published
 copy replaces that cell by a short one that names the rule's inputs and outputs relative to the working
-directory (so the notebook still reads as what it ran on, and re-runs from there), and drops the cells'
-execution timestamps. A published notebook that still holds an absolute path of this machine is refused.
+directory (so the notebook still reads as what it ran on, and re-runs from there) under a fixed cell id
+(Snakemake gives the preamble a random one each run), and drops the cells' execution timestamps. A published notebook that still holds an absolute path of this machine is refused.
 """
 
 import json
@@ -54,6 +54,8 @@ def publish(raw: Path, target: Path, inputs: dict, outputs: list, rule: str) -> 
                 f"output={_relative(list(outputs), cwd)!r})",
             ]
             cell["outputs"], cell["execution_count"] = [], None
+            if "id" in cell:
+                cell["id"] = "preamble"
             replaced += 1
     if replaced != 1:
         raise SystemExit(f"{raw}: expected one Snakemake preamble cell, found {replaced}")
