@@ -529,6 +529,16 @@ def test_readme_prose_figures_are_the_claims_table():
     assert {r["verdict"] for r in by_model if r["claim"] == "c7"} == {"inconclusive"}
 
 
+def test_v4_page_on_what_the_powered_design_says_is_the_claims_table():
+    claims = {(r["study"], r["claim"]): r for r in rows(RESULTS / "claims.csv")}
+    page = " ".join(text(STUDY_DOCS / "v4.md").split())
+    assert "C7's \"supported\" does not hold" in page and "C6 stays inconclusive with an interval that lies below v4's" in page
+    assert claims[("v4", "c7")]["verdict"] == "supported" and claims[("v4-full", "c7")]["verdict"] == "inconclusive"
+    assert float(claims[("v4-full", "c7")]["ci_low"]) <= 0
+    assert claims[("v4", "c6")]["verdict"] == "inconclusive" == claims[("v4-full", "c6")]["verdict"]
+    assert float(claims[("v4-full", "c6")]["ci_high"]) < float(claims[("v4", "c6")]["estimate"])
+
+
 def test_calibration_study_table_is_the_benchmarks_output():
     page_rows = [c for header, body in markdown_tables(DOCS / "calibration.md")
                  if header[:4] == ["model", "setting", "π", "certificate"] for c in body]
