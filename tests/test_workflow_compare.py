@@ -87,9 +87,9 @@ def test_an_indicator_flip_passes_within_a_hundredth_of_the_interval(tmp_path):
         == [f"v3 certificate coverage: ours {float(RECORD['ours'])!r} vs {float(far['ours'])!r}"]
     # a row without an interval keeps rtol alone
     bare = COVERAGE.replace("{low},{high}", ",")
-    assert compare_results.compare_table(_write(tmp_path / "bare_a", reproduction=bare.format(**RECORD)) / "reproduction.csv",
-                                         _write(tmp_path / "bare_b", reproduction=bare.format(**AVX512)) / "reproduction.csv",
-                                         ["v3"], False) == [
+    bare_record = _write(tmp_path / "bare_record", reproduction=bare.format(**RECORD)) / "reproduction.csv"
+    bare_rerun = _write(tmp_path / "bare_rerun", reproduction=bare.format(**AVX512)) / "reproduction.csv"
+    assert compare_results.compare_table(bare_record, bare_rerun, ["v3"], False) == [
         f"v3 certificate coverage: ours {float(RECORD['ours'])!r} vs {float(AVX512['ours'])!r}"]
 
 

@@ -50,5 +50,6 @@ rule claim:
     # A fixed string-hash seed: the frozen analysis builds some of a claim's detail mappings from sets of
     # strings, whose order (not their values) would otherwise change from run to run.
     shell:
-        "PYTHONHASHSEED=0 kvcert-claim claim={wildcards.claim} 'cells=[{params.cells}]' out={output.json} prereg_version={params.version} "
-        "figure_dir={params.figure_dir} scale={PREREG_SCALE} prereg_root={REPO} > {log} 2>&1"
+        "PYTHONHASHSEED=0 kvcert-claim claim={wildcards.claim} 'cells=[{params.cells}]' out={output.json} "
+        "prereg_version={params.version} figure_dir={params.figure_dir} scale={PREREG_SCALE} prereg_root={REPO} "
+        "> {log} 2>&1"

@@ -43,7 +43,7 @@ RTOL, ATOL = 1e-5, 1e-9
 # true error and certificate are both below 2e-6 of the output, i.e. rounding noise, docs/studies/v3.md), which
 # RTOL refuses. A number that moves by a hundredth of its own 95% interval's width cannot be told from
 # sampling noise and leaves the interval where it was, so such rows also pass within that fraction of the
-# record's width (this rule was added after that verification, and says so in README and docs/pipeline.md).
+# record's width (this rule was added after that verification, as docs/studies/v3.md says).
 WIDTH_FRACTION = 0.01
 # Tables whose floats are accuracies, equal on every platform where the same tokens are generated.
 EXACT_TABLES = ("accuracy.csv",)
