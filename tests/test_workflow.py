@@ -187,12 +187,17 @@ def test_smoke_dag_end_to_end(tmp_path):
     assert (tmp_path / "report.html").stat().st_size > 10_000
 
 
-def test_published_notebook_names_archived_inputs_relative_to_the_run(tmp_path, monkeypatch):
-    """An archived study's claims are read by absolute path (the repository's copy); the published notebook
-    names them relative to the working directory, and still refuses a path of this machine elsewhere."""
+def _publish_notebook():
     spec = importlib.util.spec_from_file_location("publish_notebook", ROOT / "workflow" / "scripts" / "publish_notebook.py")
     publish = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(publish)
+    return publish
+
+
+def test_published_notebook_names_archived_inputs_relative_to_the_run(tmp_path, monkeypatch):
+    """An archived study's claims are read by absolute path (the repository's copy); the published notebook
+    names them relative to the working directory, and still refuses a path of this machine elsewhere."""
+    publish = _publish_notebook()
     monkeypatch.chdir(tmp_path)
     raw = tmp_path / "executed.ipynb"
     raw.write_text(json.dumps({"cells": [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": 1,
@@ -210,9 +215,7 @@ def test_published_notebook_names_archived_inputs_relative_to_the_run(tmp_path, 
 
 
 def test_published_notebook_is_the_same_bytes_whatever_id_snakemake_gives_its_preamble(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("publish_notebook", ROOT / "workflow" / "scripts" / "publish_notebook.py")
-    publish = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(publish)
+    publish = _publish_notebook()
     monkeypatch.chdir(tmp_path)
     published = []
     for run, cell_id in enumerate(("12113d24", "c46c6cf7")):  # two ids Snakemake gave the same notebook's preamble

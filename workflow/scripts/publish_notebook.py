@@ -4,7 +4,8 @@ Snakemake's notebook directive executes a copy of the frozen notebook with a fir
 that unpickles the job object and extends ``sys.path`` with this machine's absolute paths. The published
 copy replaces that cell by a short one that names the rule's inputs and outputs relative to the working
 directory (so the notebook still reads as what it ran on, and re-runs from there) under a fixed cell id
-(Snakemake gives the preamble a random one each run), and drops the cells' execution timestamps. A published notebook that still holds an absolute path of this machine is refused.
+(Snakemake gives the preamble a random one each run), and drops the cells' execution timestamps. A published
+notebook that still holds an absolute path of this machine is refused.
 """
 
 import json
