@@ -13,7 +13,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from kvcert.calibration import calibration_summary
 from kvcert.runner import calibrate, cli
+from kvcert.schema import CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS
 
 # Five new tokens: 20 calibration prompts then give each layer the ≥ 99 rows a finite quantile at the
 # default level (0.99) needs. shard_by=task: both halves hold the workload's two tasks.
@@ -102,6 +104,11 @@ def test_the_run_adds_calibrated_columns_from_the_files_factors(fitted):
     one = items[(items["design"] == "poisson")].iloc[0]
     mine = steps[(steps["item_id"] == one["item_id"]) & (steps["policy"] == one["policy"]) & (steps["design"] == "poisson")]
     assert one["coverage_calibrated"] == pytest.approx(mine["coverage_calibrated"].mean())
+    # The item columns summarize the stored (float32) step rows exactly, as cert_mean & co. do.
+    by_run = dict(iter(steps.groupby(KEY_COLUMNS)))
+    for run in items[items["design"] == "poisson"].itertuples(index=False):
+        stored = by_run[tuple(getattr(run, c) for c in KEY_COLUMNS)]
+        assert {c: getattr(run, c) for c in CALIBRATED_ITEM_COLUMNS} == calibration_summary(stored), run.item_id
 
 
 def test_fitting_from_the_kept_cell_gives_the_same_factors(fitted, env, tmp_path):

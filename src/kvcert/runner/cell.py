@@ -110,21 +110,24 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
             score = float(score_item(item, prediction))
             keys = {"item_id": item.id, "policy": conf.policy, "design": conf.design, "budget": conf.budget,
                     "seed": conf.seed, "setting": cell.setting}
+            run_steps = decoded.steps
+            if cell.calibration is not None and not conf.is_full:
+                run_steps = apply_calibration(cell.calibration, run_steps, design=conf.design, policy=conf.policy,
+                                              budget=conf.budget, setting=cell.setting, checked=True)
+            # The item row summarizes the step rows as steps.parquet stores them (float32), so that a reader who
+            # recomputes cert_mean & co. from steps.parquet gets the item row's numbers exactly.
+            stored = tag_steps(run_steps, keys) if len(run_steps) else run_steps
             rows.append({
                 **keys, "task": item.task, "prediction": prediction, "score": score,
                 "correct": bool(is_correct(score, item.metric)), **logprob_summary(decoded.logprobs),
-                **summarize_steps(decoded.steps), "retained_tokens": decoded.retained_tokens,
+                **summarize_steps(stored), "retained_tokens": decoded.retained_tokens,
                 "context_tokens": state.context_tokens, "new_tokens": len(decoded.token_ids),
                 "cache_bytes": decoded.cache_bytes, "full_bytes": decoded.full_bytes, "metric": item.metric, **meta,
             })
             if cell.calibration is not None:
-                if not conf.is_full:
-                    decoded.steps = apply_calibration(cell.calibration, decoded.steps, design=conf.design,
-                                                      policy=conf.policy, budget=conf.budget, setting=cell.setting,
-                                                      checked=True)
-                rows[-1].update(calibration_summary(decoded.steps))
-            if len(decoded.steps) and cell.store_steps:
-                steps.append(tag_steps(decoded.steps, keys))
+                rows[-1].update(calibration_summary(stored))
+            if len(stored) and cell.store_steps:
+                steps.append(stored)
     step_frame = pd.concat(steps, ignore_index=True) if steps else empty_step_table()
     columns = ITEM_COLUMNS + (CALIBRATED_ITEM_COLUMNS if cell.calibration is not None else [])
     return pd.DataFrame(rows)[columns], step_frame
