@@ -81,11 +81,14 @@ def test_the_powered_record_repeats_version_2s_oracle_and_streaming_cells_byte_f
 @pytest.mark.parametrize("cell", ["oracle-smollm2", "oracle-gemma3"])
 def test_amendment_4s_powered_record_repeats_study_v4s_oracle_cells_byte_for_byte(cell):
     """Study v4-full's oracle cells are study v4's (design.yaml gives both designs the same oracle items, seeds and
-    shard), and `make reproduce-v4-full` ran on the library that made v4: their tables must be identical."""
+    shard): their step tables must be identical. Their item tables are identical too when one library made both;
+    v4 was remade after the item summaries moved to the stored float32 step rows (docs/studies/v4.md), which
+    changes item tables only, never step rows."""
     v4, full = _cells("default", "v4")[cell], _cells("v4-full", "v4-full")[cell]
     assert v4 == full
     old, new = _manifests("v4", cell, v4), _manifests("v4-full", cell, full)
     for a, b in zip(old, new):
-        assert a["code_fingerprint"] == b["code_fingerprint"]
-        for table in ("items.parquet", "steps.parquet"):
+        same_library = a["code_fingerprint"] == b["code_fingerprint"]
+        tables = ("items.parquet", "steps.parquet") if same_library else ("steps.parquet",)
+        for table in tables:
             assert a["outputs_sha256"][table] == b["outputs_sha256"][table], (cell, table)
