@@ -105,7 +105,7 @@ def test_the_run_adds_calibrated_columns_from_the_files_factors(fitted):
     mine = steps[(steps["item_id"] == one["item_id"]) & (steps["policy"] == one["policy"]) & (steps["design"] == "poisson")]
     assert one["coverage_calibrated"] == pytest.approx(mine["coverage_calibrated"].mean())
     # The item columns summarize the stored (float32) step rows exactly, as cert_mean & co. do.
-    by_run = dict(iter(steps.groupby(KEY_COLUMNS)))
+    by_run = {key: rows for key, rows in steps.groupby(KEY_COLUMNS)}
     for run in items[items["design"] == "poisson"].itertuples(index=False):
         stored = by_run[tuple(getattr(run, c) for c in KEY_COLUMNS)]
         assert {c: getattr(run, c) for c in CALIBRATED_ITEM_COLUMNS} == calibration_summary(stored), run.item_id
