@@ -220,3 +220,29 @@ def test_certificate_overhead_benchmark_runs(capsys):
     # bytes are a property of the cache, not of timing: top-k holds exactly the budget (--budget's default, 0.25),
     # Poisson the budget in expectation (its count's sd over ~300 tokens: sqrt(75)/300 = 0.03 per head)
     assert abs(float(cells[-2]) - 0.25) < 0.01 and 0.2 < float(cells[-1]) < 0.35
+
+
+def test_certificate_overhead_parts_benchmark_runs(capsys, monkeypatch):
+    """The PyTorch-path breakdown end to end on a short context: one row of three ratios, every configuration
+    decoding the same tokens (the script asserts it), and the library's function restored afterwards (its
+    timings are printed, never asserted)."""
+    import importlib.util
+    import os
+
+    import kvcert.attention
+    from kvcert.estimator import hajek_with_variance
+
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    path = benchmarks / "certificate_overhead_parts.py"
+    spec = importlib.util.spec_from_file_location("certificate_overhead_parts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernels_setting = os.environ.get("KVCERT_KERNELS")
+    assert module.main(["--contexts", "300", "--reps", "2", "--new-tokens", "3", "--threads", "1"]) == 0
+    table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
+    assert len(table) == 1
+    cells = [c.strip() for c in table[0].strip("|").split("|")]
+    assert len(cells) == 2 + 3 and all(float(c.split()[0]) > 0 for c in cells[1:])
+    assert kvcert.attention.hajek_with_variance is hajek_with_variance
+    assert os.environ.get("KVCERT_KERNELS") == kernels_setting
