@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install model device-check test test-heldout test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
+.PHONY: install model device-check device-carry test test-heldout test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
 	rehearse-paper plan
 
 $(STAMP): pyproject.toml
@@ -32,6 +32,11 @@ model: install
 ## against the CPU float32 reference, one PASS/FAIL line per check (docs/cluster.md). A few minutes on 2 cores.
 device-check: install model
 	$(BIN)/kvcert-device-check
+
+## What a GPU node without network needs to check the device path on a stand-in (docs/cluster.md): the
+## bundled tokenizer, written to device-carry/tokenizer.
+device-carry: install model
+	$(BIN)/python -c "from kvcert import load_tokenizer; load_tokenizer('smollm2').save_pretrained('device-carry/tokenizer')"
 
 ## The default test suite, including the smoke DAG end to end and the held-out calibration check (README's
 ## test command).

@@ -70,3 +70,25 @@ def test_the_command_passes_on_this_machine(capsys):
     passed = lines["overhead"].endswith("PASS")
     assert rc == (0 if passed else 1), out
     assert out.rstrip().endswith("kvcert-device-check: PASS" if passed else "kvcert-device-check: FAIL (overhead)"), out
+
+
+@pytest.mark.smollm2
+def test_the_command_checks_a_standin_model(tmp_path, capsys):
+    """``--model hf:<dir>``: the check a GPU node without network runs on a stand-in built there, here a small
+    Llama-shaped one in bfloat16 on the CPU against its own float32 reference. Every line gets a verdict, the
+    numerics lines pass (the overhead line compares wall-clock times: see the test above), and a model that
+    cannot be loaded is refused in one line, exit status 2."""
+    from kvcert import load_tokenizer
+    from kvcert.standins import build_model
+
+    standin = build_model("llama", tmp_path / "llama", load_tokenizer("smollm2"), layers=2, kv_heads=2, head_dim=32)
+    rc = device_check.main(["--model", f"hf:{standin}", "--prompts", "1", "--new-tokens", "4", "--reps", "1"])
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))}
+    assert f"hf:{standin} in bfloat16 on cpu" in out
+    assert set(lines) >= {"tokens", "outputs", "certificates", "coverage", "error", "overhead", "memory"}, out
+    assert all(lines[name].endswith("PASS") for name in ("outputs", "certificates", "coverage", "error")), out
+    assert rc in (0, 1)
+    assert device_check.main(["--model", "hf:", "--prompts", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvcert-device-check: --model hf:"), err

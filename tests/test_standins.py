@@ -105,3 +105,23 @@ def test_fetching_a_model_reads_headers_not_weights(built, tmp_path):
     (broken / "config.json").write_text("{not json")
     with pytest.raises(FetchError, match=r"model.name=.*broken: cannot fetch"):
         fetch(str(broken))
+
+
+def test_standins_build_from_a_tokenizer_directory(built, tmp_path, capsys):
+    """``--tokenizer DIR``: a stand-in's own directory holds a tokenizer, and a new stand-in built from it (as on
+    a machine that cannot fetch the bundled SmolLM2) has the same vocabulary; a directory without one is refused
+    in one line naming it, and nothing is written."""
+    from transformers import AutoTokenizer
+
+    from kvcert.standins import main
+
+    source = built["llama"]
+    assert main(["--out", str(tmp_path / "new"), "--models", "qwen2", "--longbench-tokens", "0",
+                 "--tokenizer", str(source)]) == 0
+    made = AutoTokenizer.from_pretrained(tmp_path / "new" / "models" / "qwen2")
+    assert made.get_vocab() == AutoTokenizer.from_pretrained(source).get_vocab()
+    capsys.readouterr()
+    assert main(["--out", str(tmp_path / "bad"), "--tokenizer", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tokenizer" in err[0] and "nowhere" in err[0]
+    assert not (tmp_path / "bad").exists()

@@ -20,12 +20,18 @@ what to do on FAIL:
 The bounds are fixed per dtype below, from what each dtype's rounding allows (bfloat16 keeps 8 significant
 bits): they are not fitted to any run. Exit status 0 when every line passes, 1 otherwise.
 
-    kvcert-device-check [--dtype bfloat16] [--device auto] [--prompts 3] [--new-tokens 8]
+    kvcert-device-check [--model smollm2] [--dtype bfloat16] [--device auto] [--prompts 3] [--new-tokens 8]
+
+``--model`` takes any model spec (``hf:<dir>`` for a local Hugging Face directory): on a machine that cannot
+fetch the bundled SmolLM2, a stand-in built there (``python -m kvcert.standins``) checks the device path's
+numerics, time and memory the same way, its random weights against their own float32 reference; only the
+tokens line then means little (random logits are near ties, which bfloat16 reorders).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -39,7 +45,7 @@ import torch
 from . import costs
 from .generation import Decoding, decode_batch, eos_ids, prefill, select
 from .kernels import attention_path
-from .models import load_model
+from .models import ModelLoadError, ModelSpec, load_model
 from .prompts import PromptIds, build_prompt
 from .theory import passkey_prompt
 
@@ -237,6 +243,8 @@ def checks(device_run: Run, reference: Run, bounds: Bounds, overhead: float,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvcert-device-check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2",
+                        help="model spec: smollm2 (default), gemma3, hf:<id or dir> (e.g. a stand-in), gguf:<file>")
     parser.add_argument("--dtype", default=PAPER_DTYPE, choices=sorted(BOUNDS))
     parser.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
     parser.add_argument("--prompts", type=int, default=3, help="built-in pass-key prompts (each in both settings)")
@@ -250,12 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         print("kvcert-device-check: --device cuda, but torch sees no CUDA device "
               f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})", file=sys.stderr)
         return 2
-    model, tokenizer = load_model({"kind": "smollm2", "dtype": args.dtype, "device": device})
-    reference_model, _ = load_model({"kind": "smollm2", "dtype": "float32", "device": "cpu"})
+    try:
+        spec = ModelSpec.parse(args.model)
+        model, tokenizer = load_model(dataclasses.replace(spec, dtype=args.dtype, device=device))
+        reference_model, _ = load_model(dataclasses.replace(spec, dtype="float32", device="cpu"))
+    except ModelLoadError as err:
+        print(f"kvcert-device-check: --model {args.model}: {err}", file=sys.stderr)
+        return 2
     prompts = _prompts(tokenizer, args.prompts, args.new_tokens, device)
     reference_prompts = _prompts(tokenizer, args.prompts, args.new_tokens, "cpu")
     path = attention_path(getattr(torch, args.dtype), device)
-    print(f"kvcert-device-check: SmolLM2 in {args.dtype} on {device} (certified attention: {path.name}"
+    print(f"kvcert-device-check: {args.model} in {args.dtype} on {device} (certified attention: {path.name}"
           f"{', ' + path.reason if path.reason else ''}) against float32 on the CPU; {len(prompts)} prompts, "
           f"budget {BUDGET}", flush=True)
     device_run = _decode_all(model, tokenizer, prompts, args.new_tokens)

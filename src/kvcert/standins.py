@@ -13,7 +13,10 @@
   ``data=longbench data.path=<dir>``.
 
     python -m kvcert.standins --out DIR [--layers 2 --kv-heads 2 --head-dim 16] [--stop-fraction 0.1]
-                              [--longbench-tokens 2400]
+                              [--longbench-tokens 2400] [--tokenizer DIR]
+
+``--tokenizer`` loads the tokenizer from a directory (any stand-in's, which holds one) instead of the bundled
+SmolLM2: stand-ins can then be built on a machine that cannot fetch it (a GPU node without network).
 """
 
 from __future__ import annotations
@@ -169,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-fraction", type=float, default=0.0,
                         help="also stop on this seeded fraction of the vocabulary (answers of ~1/fraction tokens)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="a directory holding the tokenizer (default: the bundled SmolLM2's)")
     args = parser.parse_args(argv)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODELS]
@@ -176,9 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvcert.standins: error: --models: {unknown[0]!r} is unknown; known: {', '.join(MODELS)}",
               file=sys.stderr)
         return 2
+    if args.tokenizer is not None and not (args.tokenizer / "tokenizer_config.json").is_file():
+        print(f"kvcert.standins: error: --tokenizer {args.tokenizer}: no tokenizer_config.json there", file=sys.stderr)
+        return 2
     from .models import load_tokenizer
 
-    tokenizer = load_tokenizer("smollm2")
+    tokenizer = load_tokenizer("smollm2" if args.tokenizer is None else f"hf:{args.tokenizer}")
     for i, name in enumerate(names):
         path = build_model(name, args.out / "models" / name, tokenizer, seed=args.seed + i, layers=args.layers,
                            kv_heads=args.kv_heads, head_dim=args.head_dim, stop_fraction=args.stop_fraction)
