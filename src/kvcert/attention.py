@@ -15,8 +15,8 @@ Query heads are grouped by KV head (GQA) without repeating keys: queries (batch,
 * ``full_cache_attention``: an uncompressed layer: causal (and sliding-window) attention over its slots;
 * ``compressed_attention``: the Hájek offset −log π as an additive bias (docs/METHOD.md §3);
 * ``certified_attention``: the same estimate computed in float32 with its variance, in the same call (the
-  compiled kernel, or ``kvcert.estimator.hajek_with_variance``), handed per query row to the decoding's
-  ``CertificateRecorder`` (docs/METHOD.md §4).
+  compiled kernel, the Triton one, or ``kvcert.estimator.hajek_with_variance``), handed per query row to the
+  decoding's ``CertificateRecorder`` (docs/METHOD.md §4).
 """
 
 from __future__ import annotations
@@ -221,8 +221,9 @@ def certified_attention(ctx: AttentionContext, layer_idx: int, query, key, value
                                           hq // hk))
     shape = (b, hk, hq // hk, m, value.shape[-1])
     tail_one_minus_pi = ctx.tail_one_minus_pi(layer_idx)  # (b, kv_heads, t): derive sorts sampled slots first
-    if recorder.kernel is not None:
-        terms = grouped_q.new_empty((*grouped_q.shape[:-1], 2))  # (b, kv_heads, group·m, 2): Σc, Σc² per row
+    if recorder.kernel is not None and recorder.path.accepts(query.shape[-1], value.shape[-1]):
+        # (b, kv_heads, group·m, 2): Σc, Σc² per row
+        terms = grouped_q.new_empty((*grouped_q.shape[:-1], 2), dtype=torch.float32)
         out, var = recorder.kernel(grouped_q, key, value, grouped_bias, tail_one_minus_pi, scale, terms)
     else:
         # Rows are never empty here: every query sees itself (an appended, certain slot).

@@ -125,7 +125,7 @@ class CellPlan:
     n_sink: int = 4
     n_recent: int = 32
     window: int = 16
-    kernel_path: bool = False  # float32 on a CPU: the compiled kernel computes the variance, no moments
+    kernel_path: bool = False  # a fused kernel (compiled CPU or Triton) computes the variance: no float32 copies
 
 
 def retained_slots(n: int, budget: float) -> int:

@@ -196,7 +196,7 @@ def _memory(model, prompt, setting: str, new_tokens: int) -> tuple[float | None,
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     plan = costs.CellPlan(batches=(costs.Batch(rows=len(rows), budget=BUDGET, randomized_rows=len(rows)),),
                           oracle=True, certify=True,
-                          kernel_path=attention_path(getattr(torch, dtype), device).name == "kernel")
+                          kernel_path=attention_path(getattr(torch, dtype), device).name != "pytorch")
     parts = costs.batch_bytes(arch, costs.Prompt(n=state.context_tokens, suffix=state.suffix_ids.shape[-1],
                                                  new_tokens=new_tokens), plan.batches[0], dtype, plan)
     return measured, sum(parts.values()) / 2**20

@@ -143,7 +143,7 @@ class Decoded:
     steps: one row per (step, layer, kv_head) over compressed attention (empty for the full cache);
     retained_tokens: mean retained prefix slots per layer and KV head; cache_bytes / full_bytes: bytes
     of the compressed cache and of the full cache after the prefill; attention_path: which implementation
-    computed the certified attention (``{"path": "kernel" | "pytorch", "reason": ...}``; None when no
+    computed the certified attention (``{"path": "kernel" | "triton" | "pytorch", "reason": ...}``; None when no
     certificate was computed).
     """
 

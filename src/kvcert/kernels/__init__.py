@@ -3,7 +3,9 @@
 ``hajek_step`` fuses one certified attention call: the Hájek output and the per-coordinate linearized
 variance in one pass over the keys and values (``hajek_step.cpp`` states the contract, docs/METHOD.md §4).
 It is an optional accelerator of ``kvcert.estimator``, which stays the reference and runs wherever the
-kernel does not apply. ``attention_path(dtype, device)`` says which implementation certified attention
+kernel does not apply. ``hajek_triton`` is the same call for CUDA in Triton, used only when ``KVCERT_TRITON=1``
+(it has not run on a GPU yet: its tests run it in Triton's interpreter, ``TRITON_INTERPRET=1``, where the same
+setting also selects it on the CPU). ``attention_path(dtype, device)`` says which implementation certified attention
 uses and why: the kernel only for float32 on the CPU, never for GPUs or other dtypes (it is then never
 built), and not with ``KVCERT_KERNELS=0`` or where no compiler is found.
 
@@ -31,6 +33,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("hajek_step.cpp")
 DISABLE_ENV = "KVCERT_KERNELS"
+TRITON_ENV = "KVCERT_TRITON"
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,12 @@ class AttentionPath:
     name: str
     reason: str = ""
     op: Callable | None = field(default=None, compare=False, repr=False)
+    # (head_dim, value_dim) -> whether ``op`` handles them; None: any
+    handles: Callable[[int, int], bool] | None = field(default=None, compare=False, repr=False)
+
+    def accepts(self, head_dim: int, value_dim: int) -> bool:
+        """Whether ``op`` computes a call with these head sizes (else the call takes the PyTorch path)."""
+        return self.op is not None and (self.handles is None or self.handles(head_dim, value_dim))
 
     def as_dict(self) -> dict[str, str]:
         return {"path": self.name, "reason": self.reason}
@@ -125,14 +134,32 @@ def _load() -> tuple[Callable | None, str]:
     return torch.ops.kvcert.hajek_step, ""
 
 
+@lru_cache(maxsize=1)
+def _load_triton() -> tuple[Callable | None, str]:
+    """(the Triton ``hajek_step`` or None, why not)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None, f"{TRITON_ENV}=1, but triton is not installed"
+    from .hajek_triton import hajek_step
+
+    return hajek_step, ""
+
+
 def attention_path(dtype: torch.dtype, device: torch.device | str) -> AttentionPath:
     """The certified-attention implementation for a model of ``dtype`` on ``device``, with the reason.
 
-    Loads (or, once, builds) the kernel only when it applies: float32 on the CPU, kernels not disabled.
+    Loads (or, once, builds) the kernel only when it applies: float32 on the CPU, kernels not disabled; the
+    Triton kernel instead with ``KVCERT_TRITON=1`` on CUDA (or on the CPU under ``TRITON_INTERPRET=1``).
     """
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return AttentionPath("pytorch", f"disabled by {DISABLE_ENV}=0")
     kind = torch.device(device).type
+    if os.environ.get(TRITON_ENV) == "1" and (kind == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        from .hajek_triton import supports
+
+        op, reason = _load_triton()
+        return AttentionPath("triton", "", op, supports) if op is not None else AttentionPath("pytorch", reason)
     if kind != "cpu":
         return AttentionPath("pytorch", f"device {kind}: the compiled kernel is CPU-only")
     if dtype != torch.float32:

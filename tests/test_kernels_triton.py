@@ -1,0 +1,132 @@
+"""The Triton kernel of certified attention (``kvcert.kernels.hajek_triton``), run in Triton's interpreter on the
+CPU (``TRITON_INTERPRET=1``): against float64 references of the same inputs in the dtypes a GPU uses, against the
+compiled CPU kernel, and inside real SmolLM2 decoding against the PyTorch path. It has not run on a GPU; these
+tests hold its arithmetic and its contract, not its speed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+# Triton reads it when it is imported (nothing else in the tests imports it): every kernel here is interpreted.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import kvcert  # noqa: E402
+from kvcert.estimator import hajek_with_variance  # noqa: E402
+from kvcert.generation import decode_batch  # noqa: E402
+from kvcert.kernels import AttentionPath, attention_path, hajek_step_op, hajek_triton  # noqa: E402
+
+
+@pytest.fixture()
+def interpreted():
+    """The kernel as Triton's interpreter runs it (on the CPU)."""
+    import triton
+
+    assert triton.knobs.runtime.interpret, "triton was imported before TRITON_INTERPRET=1 was set"
+
+
+def _inputs(b, h, rows, n, t, d, dtype, causal, seed=0):
+    """q (b, h, rows, d), k, v (b, h, n, d) in ``dtype``; bias (b, h, 1 or rows, n) float32 (−log π, and −inf above
+    the diagonal of the last ``rows`` slots when ``causal``); 1 − π (b, h, t) float32."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(b, h, m, d, generator=g) for m in (rows, n))
+    v = torch.randn(b, h, n, d, generator=g) + 3.0  # a common offset: what the centring is for
+    log_pi = torch.zeros(b, h, n)
+    log_pi[..., :t] = torch.rand(b, h, t, generator=g).clamp_min(0.02).log()
+    bias = (-log_pi).unsqueeze(-2)
+    if causal:
+        above = torch.ones(rows, rows, dtype=torch.bool).triu(1)
+        bias = bias.expand(b, h, rows, n).clone()
+        bias[..., n - rows:] = bias[..., n - rows:].masked_fill(above, float("-inf"))
+    return (*(x.to(dtype) for x in (q, k, v)), bias, -torch.expm1(log_pi[..., :t]))
+
+
+def _reference(q, k, v, bias, one_minus_pi, scale):
+    """float64 ``hajek_with_variance`` of the same (already rounded) inputs, shaped (b, h, rows, ·)."""
+    b, h = q.shape[:2]
+    flat = lambda x: x.reshape(b * h, *x.shape[2:]).double()  # noqa: E731
+    out, var, terms = hajek_with_variance(flat(q), flat(k), flat(v), flat(bias), scale, flat(one_minus_pi))
+    return (x.reshape(b, h, *x.shape[1:]) for x in (out, var, terms))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, n, t, causal", [(3, 150, 100, False), (20, 90, 60, True), (4, 70, 70, False),
+                                                 (3, 40, 0, False)])
+def test_the_kernel_equals_a_float64_reference(interpreted, dtype, rows, n, t, causal):
+    """Decode rows (one bias row for all), multi-token rows with a causal mask, every slot sampled, none sampled;
+    in each dtype against float64 of the same rounded inputs: the kernel computes in float32 whatever the cache's
+    dtype, so the bounds are float32's (relative to each tensor's largest entry)."""
+    q, k, v, bias, one_minus_pi = _inputs(2, 3, rows, n, t, 64, dtype, causal)
+    terms = torch.full((2, 3, rows, 2), float("nan"))
+    out, var = hajek_triton.hajek_step(q, k, v, bias, one_minus_pi, 0.125, terms)
+    assert out.dtype == var.dtype == torch.float32 and out.shape == var.shape == (2, 3, rows, 64)
+    ref_out, ref_var, ref_terms = _reference(q, k, v, bias, one_minus_pi, 0.125)
+    for got, want in ((out, ref_out), (var, ref_var), (terms, ref_terms)):
+        scale = float(want.abs().max())
+        assert float((got.double() - want).abs().max()) <= 2e-6 * max(scale, 1e-30), (got, want)
+    if t == 0:
+        assert (var == 0).all() and (terms == 0).all()
+
+
+def test_the_kernel_equals_the_compiled_cpu_kernel(interpreted):
+    """Both fused implementations of one contract, float32: the same outputs, variances and terms to float32
+    rounding (they sum in different orders)."""
+    op = hajek_step_op()
+    if op is None:
+        pytest.skip("the compiled CPU kernel is not available here")
+    q, k, v, bias, one_minus_pi = _inputs(1, 3, 9, 300, 220, 64, torch.float32, causal=True, seed=3)
+    got_terms, want_terms = torch.empty(1, 3, 9, 2), torch.empty(1, 3, 9, 2)
+    got = hajek_triton.hajek_step(q, k, v, bias, one_minus_pi, 0.125, got_terms)
+    want = op(q, k, v, bias, one_minus_pi, 0.125, want_terms)
+    for a, b in zip((*got, got_terms), (*want, want_terms)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+
+
+def test_unsupported_head_sizes_are_refused_and_left_to_the_pytorch_path():
+    """Triton's blocks need powers of two from 16: the path says so, and the op refuses others in one line."""
+    path = AttentionPath("triton", "", hajek_triton.hajek_step, hajek_triton.supports)
+    assert path.accepts(64, 64) and path.accepts(128, 128) and path.accepts(16, 16)
+    assert not path.accepts(80, 80) and not path.accepts(64, 96) and not path.accepts(8, 8)
+    assert AttentionPath("kernel", "", hajek_triton.hajek_step).accepts(80, 80)
+    with pytest.raises(ValueError, match="powers of two"):
+        hajek_triton.hajek_step(*_inputs(1, 1, 2, 20, 10, 80, torch.float32, causal=False), 0.1)
+
+
+@pytest.mark.smollm2
+def test_smollm2_decodes_the_same_through_the_triton_kernel(interpreted, monkeypatch):
+    """Real decoding (SmolLM2, certificates and the oracle on, two Poisson rows) through the Triton kernel and
+    through the PyTorch path it stands in for: the same tokens, and the same step rows to float32 rounding. The
+    model runs in float32 so that rounding differences of the two float32 computations are not amplified by a
+    bfloat16 model's (the dtypes a GPU uses are the test above's)."""
+    from kvcert.theory import passkey_prompt
+
+    model, tokenizer = kvcert.load_model("smollm2")
+    context, question, _ = passkey_prompt(n_noise=8, n_needles=2, seed=4)
+    ids = kvcert.build_prompt(tokenizer, context, question, setting="streaming", max_new_tokens=4)
+    state = kvcert.prefill(model, ids.prefix_ids, ids.suffix_ids, setting="streaming")
+    rows = [kvcert.select(state, "snapkv", "poisson", 0.3, seed=s) for s in (1, 2)]
+
+    def run(triton: bool):
+        monkeypatch.setenv("KVCERT_TRITON", "1" if triton else "0")
+        monkeypatch.setenv("KVCERT_KERNELS", "1" if triton else "0")
+        assert attention_path(torch.float32, "cpu").name == ("triton" if triton else "pytorch")
+        return decode_batch(model, state, rows, max_new_tokens=4, certify=True, oracle=True)
+
+    fused, reference = run(True), run(False)
+    assert [r.attention_path["path"] for r in fused] == ["triton"] * 2
+    assert [r.attention_path["path"] for r in reference] == ["pytorch"] * 2
+    for got, want in zip(fused, reference):
+        assert got.token_ids == want.token_ids
+        keys = ["step", "layer", "kv_head"]
+        pd.testing.assert_frame_equal(got.steps[keys], want.steps[keys])
+        for column in ("trace_var", "true_err", "tail_ess"):  # float32 rounding of each column's scale
+            want_column = want.steps[column].to_numpy()
+            np.testing.assert_allclose(got.steps[column], want_column, rtol=1e-4, atol=1e-6 * np.abs(want_column).max(),
+                                       err_msg=column)
