@@ -101,7 +101,7 @@ def test_unsupported_head_sizes_are_refused_and_left_to_the_pytorch_path():
 
 @pytest.mark.smollm2
 def test_smollm2_decodes_the_same_through_the_triton_kernel(interpreted, monkeypatch):
-    """Real decoding (SmolLM2, certificates and the oracle on, two Poisson rows) through the Triton kernel and
+    """Real decoding (SmolLM2, certificates and the oracle on, a Poisson row) through the Triton kernel and
     through the PyTorch path it stands in for: the same tokens, and the same step rows to float32 rounding. The
     model runs in float32 so that rounding differences of the two float32 computations are not amplified by a
     bfloat16 model's (the dtypes a GPU uses are the test above's)."""
@@ -109,19 +109,19 @@ def test_smollm2_decodes_the_same_through_the_triton_kernel(interpreted, monkeyp
 
     model, tokenizer = kvcert.load_model("smollm2")
     context, question, _ = passkey_prompt(n_noise=8, n_needles=2, seed=4)
-    ids = kvcert.build_prompt(tokenizer, context, question, setting="streaming", max_new_tokens=4)
+    ids = kvcert.build_prompt(tokenizer, context, question, setting="streaming", max_new_tokens=3)
     state = kvcert.prefill(model, ids.prefix_ids, ids.suffix_ids, setting="streaming")
-    rows = [kvcert.select(state, "snapkv", "poisson", 0.3, seed=s) for s in (1, 2)]
+    rows = [kvcert.select(state, "snapkv", "poisson", 0.3, seed=1)]
 
     def run(triton: bool):
         monkeypatch.setenv("KVCERT_TRITON", "1" if triton else "0")
         monkeypatch.setenv("KVCERT_KERNELS", "1" if triton else "0")
         assert attention_path(torch.float32, "cpu").name == ("triton" if triton else "pytorch")
-        return decode_batch(model, state, rows, max_new_tokens=4, certify=True, oracle=True)
+        return decode_batch(model, state, rows, max_new_tokens=3, certify=True, oracle=True)
 
     fused, reference = run(True), run(False)
-    assert [r.attention_path["path"] for r in fused] == ["triton"] * 2
-    assert [r.attention_path["path"] for r in reference] == ["pytorch"] * 2
+    assert [r.attention_path["path"] for r in fused] == ["triton"]
+    assert [r.attention_path["path"] for r in reference] == ["pytorch"]
     for got, want in zip(fused, reference):
         assert got.token_ids == want.token_ids
         keys = ["step", "layer", "kv_head"]
