@@ -1,13 +1,15 @@
-"""Compiled CPU kernels: built once per machine by the install step, loaded where they apply.
+"""Fused kernels of certified attention: the compiled CPU one, built once per machine by the install step and
+loaded where it applies, and an experimental Triton one for CUDA.
 
 ``hajek_step`` fuses one certified attention call: the Hájek output and the per-coordinate linearized
 variance in one pass over the keys and values (``hajek_step.cpp`` states the contract, docs/METHOD.md §4).
 It is an optional accelerator of ``kvcert.estimator``, which stays the reference and runs wherever the
-kernel does not apply. ``hajek_triton`` is the same call for CUDA in Triton, used only when ``KVCERT_TRITON=1``
-(it has not run on a GPU yet: its tests run it in Triton's interpreter, ``TRITON_INTERPRET=1``, where the same
-setting also selects it on the CPU). ``attention_path(dtype, device)`` says which implementation certified attention
-uses and why: the kernel only for float32 on the CPU, never for GPUs or other dtypes (it is then never
-built), and not with ``KVCERT_KERNELS=0`` or where no compiler is found.
+kernel does not apply. ``hajek_triton`` is the same call for CUDA in Triton, used only when
+``KVCERT_TRITON=1`` (it has not run on a GPU yet: its tests run it in Triton's interpreter,
+``TRITON_INTERPRET=1``, where the same setting also selects it on the CPU). ``attention_path(dtype, device)``
+says which implementation certified attention uses and why: the compiled kernel only for float32 on the CPU,
+never for GPUs or other dtypes (it is then never built), and not with ``KVCERT_KERNELS=0`` or where no
+compiler is found.
 
 Building: ``python -m kvcert.kernels build`` (``make install`` runs it) compiles into PyTorch's extension
 directory (``TORCH_EXTENSIONS_DIR``) under a name that hashes the source, the flags, the torch version and
