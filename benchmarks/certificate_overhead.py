@@ -127,9 +127,7 @@ def benchmark(model, tokenizer, context_tokens: int, budget: float, reps: int, n
 
     def paired(name: str, times: dict = times) -> tuple[float, float, float]:
         """Median and quartiles of the per-round ratio name / c."""
-        ratios = sorted(x / c for x, c in zip(times[name], times["c_poisson"]))
-        q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-        return statistics.median(ratios), q1, q3
+        return median_quartiles([x / c for x, c in zip(times[name], times["c_poisson"])])
 
     return {
         "context_tokens": state.context_tokens,
@@ -143,13 +141,26 @@ def benchmark(model, tokenizer, context_tokens: int, budget: float, reps: int, n
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def median_quartiles(ratios: list[float]) -> tuple[float, float, float]:
+    """Median, first and third quartile of per-round ratios (the one ratio thrice for a single round)."""
+    ratios = sorted(ratios)
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return statistics.median(ratios), q1, q3
+
+
+def timing_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every side-by-side decode-time benchmark here takes: contexts, budget, rounds, tokens, threads."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1000, 4000])
     parser.add_argument("--budget", type=float, default=0.25)
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = timing_parser(__doc__)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--calibration", default="results/calibration/smollm2.json",
                         help="calibration file of the model (kvcert-calibrate), or 'design'")

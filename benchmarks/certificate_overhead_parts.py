@@ -23,7 +23,6 @@ median [interquartile range] of the per-round ratios, after a warm-up round.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 
 import kvcert
 import kvcert.attention
-from certificate_overhead import prompt_ids
+from certificate_overhead import median_quartiles, prompt_ids, timing_parser
 from kvcert.kernels import DISABLE_ENV
 
 SHIPPED = kvcert.attention.hajek_with_variance
@@ -96,13 +95,7 @@ def interleaved_round(model, state, selection, new_tokens: int, reverse: bool) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1000, 4000])
-    parser.add_argument("--budget", type=float, default=0.25)
-    parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args(argv)
+    args = timing_parser(__doc__).parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = kvcert.load_model("smollm2")
     with mock.patch.dict(os.environ, {DISABLE_ENV: "0"}):  # every decoding here takes the PyTorch path
@@ -122,9 +115,8 @@ def _table(model, tokenizer, args) -> int:
                   for rep in range(args.reps + 1)][1:]  # round 0 is the warm-up
         cells = [str(state.context_tokens), f"{1e3 * statistics.median(r['c'] for r in rounds):.1f}"]
         for name in others:
-            ratios = sorted(r[name] / r["c"] for r in rounds)
-            q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-            cells.append(f"{statistics.median(ratios):.3f} [{q1:.3f}, {q3:.3f}]")
+            median, q1, q3 = median_quartiles([r[name] / r["c"] for r in rounds])
+            cells.append(f"{median:.3f} [{q1:.3f}, {q3:.3f}]")
         print("| " + " | ".join(cells) + " |", flush=True)
     return 0
 
