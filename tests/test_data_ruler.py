@@ -9,7 +9,9 @@ from kvcert.data import is_correct, load_items, score_item
 from kvcert.data import haystack as hs
 from kvcert.data import ruler
 
-ALL_TASKS = ["niah_single", "niah_multikey_2", "niah_multivalue", "niah_multiquery", "vt", "cwe"]
+ALL_TASKS = ["niah_single", "niah_multikey_2", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe"]
+# Tasks whose filler unit is a list entry or a coded word (several tokens), not a haystack word.
+WORD_LIST_TASKS = ("cwe", "fwe")
 
 
 def _train_bpe_tokenizer():
@@ -77,8 +79,8 @@ def test_prompt_length_is_just_under_the_target(tokenizer, haystack, target):
         length = n_tokens(tokenizer, item.prompt)
         assert length == item.meta["prompt_tokens"]
         # Haystack tasks: within one word, or SENTENCE_SLACK to end on a full sentence.
-        # cwe: within one list entry ("123. word" plus the shuffle's effect on merges).
-        slack = 16 if item.task == "cwe" else ruler.SENTENCE_SLACK
+        # cwe, fwe: within one list entry or coded word (plus the shuffle's effect on merges).
+        slack = 16 if item.task in WORD_LIST_TASKS else ruler.SENTENCE_SLACK
         assert target - slack <= length <= target, (item.task, length)
 
 
@@ -156,6 +158,42 @@ def test_variable_tracking_chain_is_in_order(tokenizer):
     assert score_item(item, " " + " ".join(item.answers)) == 100.0
 
 
+def test_variable_tracking_worked_example_comes_first_and_changes_nothing_else(tokenizer):
+    task = {"name": "vt", "num_chains": 2, "num_hops": 2}
+    plain = make(tokenizer, 3, tasks=[task], context_tokens=700)
+    shown = make(tokenizer, 3, tasks=[{**task, "example_words": 90}], context_tokens=700)
+    for without, item in zip(plain, shown):
+        # The item's own draws are those of the version without an example.
+        assert (item.answers, item.question, item.answer_prefix) == (without.answers, without.question,
+                                                                     without.answer_prefix)
+        example, rest = item.context.split("\n\n", 2)[:2], item.context.split("\n\n", 2)[2]
+        example_text = "\n\n".join(example)
+        asked = re.search(r"assigned the value (\d{5}) in the text above\. Answer", example_text).group(1)
+        names = re.search(r"they are: ([A-Z ]+)$", example_text).group(1).split()
+        assert len(names) == 3 and asked not in item.question
+        assert not set(names) & set(re.findall(r"VAR ([A-Z]{5})", rest))  # a copied answer is wrong
+        assert f"VAR {names[0]} = {asked}." in example_text
+        noise = re.sub(r"VAR [A-Z]{5} = (VAR [A-Z]{5}|\d{5})\.", "", example_text.split("\n")[2])
+        assert len(noise.split()) == 90 and len(re.findall(r"VAR [A-Z]{5} = ", example_text)) == 6
+        assert rest.startswith("Memorize and track") and f"VAR {item.answers[1]} = VAR {item.answers[0]}." in rest
+        assert 700 - ruler.SENTENCE_SLACK <= n_tokens(tokenizer, item.prompt) <= 700
+
+
+def test_frequent_words_follow_zipf_and_the_answer_is_ranks_two_to_four(tokenizer):
+    for item in make(tokenizer, 3, tasks=["fwe"], context_tokens=1200):
+        words = item.context.split("coded words. ", 1)[1].split()
+        counts = {w: words.count(w) for w in set(words)}
+        ranked = sorted(counts, key=counts.get, reverse=True)
+        assert ranked[0] == "..."  # RULER's noise word, which the question says to ignore
+        assert sorted(ranked[1:4]) == sorted(item.answers) and len(item.answers) == 3
+        assert sorted(counts.values(), reverse=True)[:5] == item.meta["counts"]
+        assert counts[ranked[3]] > counts[ranked[4]]  # the answer is unique
+        assert len(counts) <= 1200 // 50  # RULER's vocabulary size, context_tokens // 50 (rare ranks round to 0)
+        assert all(re.fullmatch(r"[a-z]{6}", w) for w in ranked[1:])
+        assert item.max_new_tokens == 50 and "Please ignore the dots" in item.question
+        assert score_item(item, " " + ", ".join(item.answers) + ".") == 100.0
+
+
 def test_common_words_occur_most_often(tokenizer):
     (item,) = make(tokenizer, 1, tasks=["cwe"], context_tokens=1200)
     main_list = item.context.split("Memorize the ones that appear most often.\n")[-1]
@@ -191,6 +229,9 @@ def test_config_from_cfg_n_items(tokenizer):
         ({"haystack": "essay"}, r"unknown haystack 'essay'"),
         ({"tasks": ["niah_single", "niah_single"]}, r"labels must be distinct"),
         ({"needle_format": "uuid"}, r"unknown needle_format 'uuid'"),
+        ({"tasks": [{"name": "vt", "example_words": -1}]}, r"ruler vt: example_words must be >= 0, got -1"),
+        ({"tasks": ["fwe"], "context_tokens": 200}, r"ruler fwe: context_tokens=200 is too short; need 256"),
+        ({"tasks": [{"name": "fwe", "alpha": 1.0}]}, r"ruler fwe: need alpha > 1"),
     ],
 )
 def test_config_errors_are_one_line(tokenizer, cfg, message):
@@ -209,7 +250,7 @@ def test_lengths_with_the_smollm2_tokenizer():
     items = load_items("ruler", {"tasks": ALL_TASKS, "context_tokens": 1000}, tok, 6)
     for item in items:
         length = len(tok.encode(item.prompt, add_special_tokens=False))
-        slack = 16 if item.task == "cwe" else ruler.SENTENCE_SLACK
+        slack = 16 if item.task in WORD_LIST_TASKS else ruler.SENTENCE_SLACK
         assert 1000 - slack <= length <= 1000, (item.task, length)
     # The question of the pass-key tasks is the one measured on this model.
     assert re.fullmatch(r"What is the \w+ pass key\?", items[1].question)

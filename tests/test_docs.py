@@ -736,3 +736,15 @@ def test_held_out_check_table_is_the_third_confirmations():
         assert width.startswith("∞") if r["width"] == "inf" else same_shown(r["width"], float(width), 2), width
         for part, column in zip(rho.split(" / "), ("rho", "rho_cal"), strict=True):
             assert same_shown(r[column], float(part), 2), (pi, budget, column)
+
+
+def test_task_probe_table_is_the_probes_output():
+    names = {"SmolLM2": "smollm2", "Gemma 3": "gemma3"}
+    probes = {(r["model"], r["task"]): r for m in names.values() for r in rows(RESULTS / "probes" / f"{m}.csv")}
+    shown = [cells for header, body in markdown_tables(STUDY_DOCS / "v4.md")
+             if header == ["model", "task", "correct", "of", "accuracy"] for cells in body]
+    assert len(shown) == len(probes) == 8
+    for model, task, correct, of, accuracy in shown:
+        r = probes[(names[model], task)]
+        assert [correct, of] == [r["n_correct"], r["n_items"]] and float(accuracy) == float(r["accuracy"])
+        assert int(r["seed"]) == 9501  # the seed the page says is spent

@@ -246,3 +246,32 @@ def test_certificate_overhead_parts_benchmark_runs(capsys, monkeypatch):
     assert len(cells) == 2 + 3 and all(float(c.split()[0]) > 0 for c in cells[1:])
     assert kvcert.attention.hajek_with_variance is hajek_with_variance
     assert os.environ.get("KVCERT_KERNELS") == kernels_setting
+
+
+def test_task_probe_runs_and_scores_like_the_runner(tmp_path, capsys):
+    """The exploratory task probe end to end: one small item per variant, a CSV row each, and its accuracy the
+    share that kvcert.data's scoring calls correct (checked against the answer it records)."""
+    import importlib.util
+    import json
+
+    import pandas as pd
+
+    from kvcert.data import is_correct, load_items, score_item
+    from kvcert.models import load_tokenizer
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "task_probe.py"
+    spec = importlib.util.spec_from_file_location("task_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    variants = [{"name": "vt", "num_hops": 1, "example_words": 60, "context_tokens": 300, "max_new_tokens": 8},
+                {"name": "fwe", "context_tokens": 256, "max_new_tokens": 8}]
+    out = tmp_path / "probe.csv"
+    assert module.main(["--seed", "12345", "--items", "1", "--tasks", json.dumps(variants), "--out", str(out)]) == 0
+    table = pd.read_csv(out, keep_default_na=False)
+    assert list(table["task"]) == ["vt_1", "fwe"] and list(table["n_items"]) == [1, 1]
+    tokenizer = load_tokenizer("smollm2")
+    for row, variant in zip(table.itertuples(), variants):
+        (item,) = load_items("ruler", {"name": "ruler", "tasks": [variant], "seed": 12345}, tokenizer, 1)
+        assert row.first_reference == " ".join(item.answers) and json.loads(row.variant) == variant
+        assert row.n_correct == int(is_correct(score_item(item, row.first_answer), item.metric))
+    assert "first_answer" in capsys.readouterr().out

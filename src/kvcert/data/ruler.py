@@ -8,11 +8,20 @@ Tasks (``tasks`` entries):
 - ``niah_multiquery``: ``num_queries`` of ``num_needles`` needles asked at once (default 4 of 4).
 - ``vt`` (variable tracking): ``num_chains`` chains of ``num_hops`` assignments
   ("VAR ABCDE = 12345." then "VAR FGHIJ = VAR ABCDE."); name every variable holding the value.
+  ``example_words: N`` (N > 0) puts one worked example first, as RULER does: the same task
+  over N words of noise, with its answer, on names and a value of its own (RULER's example
+  is fitted to 500 tokens, about 300 noise words with these tokenizers). The default 0 is
+  the version without one that amendment 4's pilot ran.
 - ``cwe`` (common words extraction): a numbered word list in which ``num_common`` words
   occur ``freq_common`` times and the others ``freq_uncommon`` times; name the common ones.
   RULER's one worked example precedes the list. Its fixed part (example plus the common
   words) already takes several hundred tokens (about 650 with SmolLM2's tokenizer), so
   ``cwe`` needs ``context_tokens`` of 700 or more; a smaller target is an error that says so.
+- ``fwe`` (frequent words extraction): coded words (``coded_wordlen`` random lower-case
+  letters) drawn from a vocabulary of ``vocab_size`` (default ``context_tokens // 50``, as
+  RULER) with Zipf frequencies of exponent ``alpha`` (2.0); the most frequent one is
+  RULER's "..." noise; name the three after it. Needs ``context_tokens`` of 256 or more,
+  so that the three answers' counts differ from the fourth's.
 
 A ``tasks`` entry is a name, a name with its main count as a suffix (``niah_multikey_2`` is
 ``niah_multikey`` with ``num_needles: 2``; the suffix sets ``num_needles``, ``num_values``,
@@ -47,6 +56,7 @@ from __future__ import annotations
 
 import bisect
 import re
+import string
 from dataclasses import dataclass
 from random import Random
 from typing import Any, Callable, Mapping, Sequence
@@ -61,8 +71,8 @@ SENTENCE_SLACK = 8
 DEPTH_GRID = tuple(round(100 * i / 39) / 100 for i in range(40))
 
 NIAH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
-TASK_NAMES = NIAH_TASKS + ("vt", "cwe")
-ALIASES = {"variable_tracking": "vt", "common_words_extraction": "cwe"}
+TASK_NAMES = NIAH_TASKS + ("vt", "cwe", "fwe")
+ALIASES = {"variable_tracking": "vt", "common_words_extraction": "cwe", "freq_words_extraction": "fwe"}
 PRIMARY_KNOB = {"niah_multikey": "num_needles", "niah_multivalue": "num_values",
                 "niah_multiquery": "num_queries", "vt": "num_hops"}
 
@@ -72,8 +82,9 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "niah_multikey": {"num_needles": 4, "num_values": 1, "num_queries": 1},
     "niah_multivalue": {"num_needles": 1, "num_values": 4, "num_queries": 1},
     "niah_multiquery": {"num_needles": 4, "num_values": 1, "num_queries": 4},
-    "vt": {"num_chains": 1, "num_hops": 4},
+    "vt": {"num_chains": 1, "num_hops": 4, "example_words": 0},
     "cwe": {"num_common": 10, "freq_common": None, "freq_uncommon": None},
+    "fwe": {"alpha": 2.0, "vocab_size": None, "coded_wordlen": 6},
 }
 # Knobs a top-level config value may set for a task (niah_single stays single).
 TOP_LEVEL_KNOBS = {
@@ -81,8 +92,9 @@ TOP_LEVEL_KNOBS = {
     "niah_multikey": {"num_needles"},
     "niah_multivalue": {"num_values"},
     "niah_multiquery": {"num_needles", "num_queries"},
-    "vt": {"num_chains", "num_hops"},
+    "vt": {"num_chains", "num_hops", "example_words"},
     "cwe": {"num_common", "freq_common", "freq_uncommon"},
+    "fwe": {"alpha", "vocab_size", "coded_wordlen"},
 }
 NIAH_SHARED = {"needle_format": "passkey", "value_digits": None}
 SHARED_KNOBS = {"max_new_tokens": None, "haystack": "noise", "context_tokens": 1000}
@@ -301,10 +313,8 @@ def _merge_keeping_order(rng: Random, chains: list[list[str]]) -> list[str]:
     return merged
 
 
-def _draft_vt(knobs: Mapping[str, Any], rng: Random) -> Draft:
-    n_chains, n_hops = int(knobs["num_chains"]), int(knobs["num_hops"])
-    if n_chains < 1 or n_hops < 1:
-        raise ValueError("ruler vt: num_chains and num_hops must be >= 1")
+def _vt_chains(rng: Random, n_chains: int, n_hops: int) -> tuple[list[str], list[str], str, list[str]]:
+    """Chains of assignments: (statements in a random interleaving, every name, the asked value, its answers)."""
     names = hs.random_variable_names(rng, n_chains * (n_hops + 1))
     chain_values = hs.random_numbers(rng, n_chains, 5)
     chains: list[list[str]] = []
@@ -313,21 +323,47 @@ def _draft_vt(knobs: Mapping[str, Any], rng: Random) -> Draft:
         statements = [f"VAR {chain_names[0]} = {chain_values[c]}."]
         statements += [f"VAR {chain_names[j + 1]} = VAR {chain_names[j]}." for j in range(n_hops)]
         chains.append(statements)
-    statements = _merge_keeping_order(rng, chains)
+    return _merge_keeping_order(rng, chains), names, chain_values[0], names[: n_hops + 1]
+
+
+def _draft_vt(knobs: Mapping[str, Any], rng: Random) -> Draft:
+    n_chains, n_hops = int(knobs["num_chains"]), int(knobs["num_hops"])
+    if n_chains < 1 or n_hops < 1:
+        raise ValueError("ruler vt: num_chains and num_hops must be >= 1")
+    example_words = int(knobs.get("example_words") or 0)
+    if example_words < 0:
+        raise ValueError(f"ruler vt: example_words must be >= 0, got {example_words}")
+    statements, names, value, answers = _vt_chains(rng, n_chains, n_hops)
     depths = sorted(_sample_depths(rng, len(statements)))
-    value = chain_values[0]
-    answers = names[: n_hops + 1]
 
     preamble = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
-    question = f"Question: Find all variables that are assigned the value {value} in the text above."
-    prefix = (f" Answer: According to the chain(s) of variable assignment in the text above, "
-              f"{n_hops + 1} variables are assigned the value {value}, they are: ")
+
+    def question_and_prefix(asked: str) -> tuple[str, str]:
+        return (f"Question: Find all variables that are assigned the value {asked} in the text above.",
+                f" Answer: According to the chain(s) of variable assignment in the text above, "
+                f"{n_hops + 1} variables are assigned the value {asked}, they are: ")
+
+    question, prefix = question_and_prefix(value)
     max_fill = int(knobs["context_tokens"])
     filler = hs.haystack_sentences(knobs["haystack"], rng, max_fill)
+    example = ""
+    if example_words:
+        # Drawn last, from a generator of its own, so the item's draws equal those without an example;
+        # redrawn until it shares no name or value with the item (a copied answer must be wrong).
+        example_rng = Random(rng.random())
+        while True:
+            ex_statements, ex_names, ex_value, ex_answers = _vt_chains(example_rng, n_chains, n_hops)
+            if not set(ex_names) & set(names) and ex_value != value:
+                break
+        ex_depths = sorted(_sample_depths(example_rng, len(ex_statements)))
+        ex_sentences = hs.take_words(hs.noise_sentences(example_words // 3 + 5), example_words)
+        ex_question, ex_prefix = question_and_prefix(ex_value)
+        example = (preamble + _insert_at_depths(ex_sentences, ex_statements, ex_depths) + "\n"
+                   + ex_question + ex_prefix + " ".join(ex_answers) + "\n\n")
 
     def render(n_words: int) -> tuple[str, str, str, dict]:
         sentences = hs.take_words(filler, n_words)
-        context = preamble + _insert_at_depths(sentences, statements, depths) + "\n"
+        context = example + preamble + _insert_at_depths(sentences, statements, depths) + "\n"
         return context, question, prefix, {"needle_depths": list(depths)}
 
     return Draft(render=render, max_fill=max_fill, answers=answers,
@@ -383,10 +419,47 @@ def _draft_cwe(knobs: Mapping[str, Any], rng: Random) -> Draft:
                  max_new_tokens=int(knobs["max_new_tokens"] or 120))
 
 
+def _draft_fwe(knobs: Mapping[str, Any], rng: Random) -> Draft:
+    target = int(knobs["context_tokens"])
+    alpha, wordlen = float(knobs["alpha"]), int(knobs["coded_wordlen"])
+    vocab_size = int(knobs["vocab_size"] or max(target // 50, 5))
+    if target < 256:
+        raise ValueError(f"ruler fwe: context_tokens={target} is too short; need 256 or more, so that the three "
+                         "answers' counts differ from the fourth's")
+    if alpha <= 1 or vocab_size < 5 or wordlen < 2:
+        raise ValueError("ruler fwe: need alpha > 1, vocab_size >= 5 and coded_wordlen >= 2")
+    vocab: list[str] = []
+    while len(vocab) < vocab_size:
+        word = "".join(rng.choices(string.ascii_lowercase, k=wordlen))
+        if word not in vocab:
+            vocab.append(word)
+    vocab[0] = "..."  # RULER: the most frequent "word" is noise, and the question says to ignore it
+    order_seed = rng.random()
+    from scipy.special import zeta
+
+    # Zipf counts as RULER computes them: n k^-alpha / zeta(alpha), rounded down, for rank k of the vocabulary.
+    shares = [k ** -alpha / float(zeta(alpha)) for k in range(1, vocab_size + 1)]
+
+    context_head = ("Read the following coded text and track the frequency of each coded word. "
+                    "Find the three most frequently appeared coded words. ")
+    question = ("Question: Do not provide any explanation. Please ignore the dots '....'. "
+                "What are the three most frequently appeared words in the above coded text?")
+    prefix = " Answer: According to the coded text above, the three most frequently appeared words are:"
+
+    def render(n_words: int) -> tuple[str, str, str, dict]:
+        counts = [int(n_words * share) for share in shares]
+        words = [w for w, c in zip(vocab, counts) for _ in range(c)]
+        Random(order_seed).shuffle(words)
+        return context_head + " ".join(words) + "\n", question, prefix, {"counts": counts[:5]}
+
+    return Draft(render=render, max_fill=target, answers=vocab[1:4], max_new_tokens=int(knobs["max_new_tokens"] or 50))
+
+
 BUILDERS: dict[str, Callable[[Mapping[str, Any], Random], Draft]] = {
     **{name: _draft_niah for name in NIAH_TASKS},
     "vt": _draft_vt,
     "cwe": _draft_cwe,
+    "fwe": _draft_fwe,
 }
 
 
