@@ -1,12 +1,17 @@
 """The Triton kernel of certified attention (``kvcert.kernels.hajek_triton``), run in Triton's interpreter on the
 CPU (``TRITON_INTERPRET=1``): against float64 references of the same inputs in the dtypes a GPU uses, against the
-compiled CPU kernel, and inside real SmolLM2 decoding against the PyTorch path. It has not run on a GPU; these
-tests hold its arithmetic and its contract, not its speed."""
+compiled CPU kernel, and inside real SmolLM2 decoding against the PyTorch path; and compiled ahead of time for
+A100 and H100 by Triton's own compiler (no GPU needed). It has not run on a GPU; these tests hold its arithmetic,
+its contract and that it builds for the GPUs the paper scale names, not its speed."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -129,3 +134,50 @@ def test_smollm2_decodes_the_same_through_the_triton_kernel(interpreted, monkeyp
             want_column = want.steps[column].to_numpy()
             np.testing.assert_allclose(got.steps[column], want_column, rtol=1e-4, atol=1e-6 * np.abs(want_column).max(),
                                        err_msg=column)
+
+
+# Shared memory one block may use, by compute capability (CUDA C++ Programming Guide, "Technical Specifications per
+# Compute Capability": 163 KB on 8.0, 227 KB on 9.0).
+MAX_SHARED_BYTES = {80: 163 * 1024, 90: 227 * 1024}
+
+_COMPILE = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from kvcert.kernels.hajek_triton import compile_for
+from triton_kernel_resources import resource_usage
+out = []
+for capability, dtype, head in [(80, "bfloat16", 128), (80, "float32", 128), (90, "bfloat16", 128),
+                                (90, "float16", 64), (90, "float32", 128)]:
+    compiled = compile_for(capability, getattr(torch, dtype), head)
+    out.append({"capability": capability, "dtype": dtype, "head": head, "cubin": len(compiled.asm["cubin"]),
+                "shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
+                **resource_usage(compiled.asm["cubin"])})
+print(json.dumps(out))
+"""
+
+
+def test_the_kernel_compiles_for_a100_and_h100_within_their_shared_memory():
+    """Triton's compiler and ptxas (shipped in its wheel) build the kernel for sm_80 and sm_90 in the cache dtypes
+    a GPU uses, at the paper models' head size 128: every launch's shared memory fits the GPU's per-block limit,
+    and the binary's registers are read back (benchmarks/triton_kernel_resources.py prints the full grid). Runs
+    in a fresh process: this one built the kernel for the interpreter."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE, str(root / "benchmarks")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    builds = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(builds) == 5
+    for build in builds:
+        assert build["cubin"] > 10_000 and build["warps"] == hajek_triton.NUM_WARPS, build
+        assert 0 < build["shared"] <= MAX_SHARED_BYTES[build["capability"]], build
+        assert 0 < build["registers"] <= 255 and build["stack_bytes"] >= 0, build
+
+
+def test_compile_for_refuses_what_it_cannot_build(interpreted):
+    with pytest.raises(ValueError, match=r"d=96, dv=96 must be powers of two"):
+        hajek_triton.compile_for(90, torch.bfloat16, 96)
+    with pytest.raises(ValueError, match=r"dtype torch.float64 is not one of"):
+        hajek_triton.compile_for(90, torch.float64, 128)
+    with pytest.raises(RuntimeError, match=r"built for Triton's interpreter"):
+        hajek_triton.compile_for(90, torch.bfloat16, 128)

@@ -13,8 +13,10 @@ the variance's sums Σc, Σc², Σc(v − μ) and Σc(v − μ)², centred on μ
 (as ``kvcert.estimator.hajek_with_variance`` does), so that no per-slot tensor leaves the kernel. Everything is
 float32 whatever the cache's dtype, with full-precision float32 products (no TF32).
 
-Untested on a GPU so far: the tests run it in Triton's interpreter on the CPU (``TRITON_INTERPRET=1``), against
-float64 references. Certified attention uses it on CUDA only when ``KVCERT_TRITON=1`` (``kvcert.kernels``).
+Not yet run on a GPU: the tests run it in Triton's interpreter on the CPU (``TRITON_INTERPRET=1``), against
+float64 references, and compile it ahead of time for A100 and H100 (:func:`compile_for`: Triton's compiler and
+the ``ptxas`` its wheel ships, no GPU needed). Certified attention uses it on CUDA only when ``KVCERT_TRITON=1``
+(``kvcert.kernels``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ import torch
 # Below this, a term c_i is dropped (the largest subnormal float32), as the CPU kernel and the PyTorch path do.
 SMALLEST_KEPT = float(torch.nextafter(torch.tensor(torch.finfo(torch.float32).tiny), torch.tensor(0.0)))
 BLOCK_ROWS = 16  # tl.dot needs 16 rows at least; masked rows beyond R cost nothing but registers
-BLOCK_SLOTS = 32
+# Slots per loop step and warps per program: compiled for sm_90 at head size 128 in bfloat16, 32 slots and 4 warps
+# spill 984 bytes of registers per thread to local memory, 16 slots and 8 warps 16 bytes (at 64: none);
+# benchmarks/triton_kernel_resources.py prints the grid.
+BLOCK_SLOTS = 16
+NUM_WARPS = 8
 
 
 @lru_cache(maxsize=1)
@@ -138,10 +144,42 @@ def hajek_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Te
                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                         bias.stride(0), bias.stride(1) if bias.shape[1] > 1 else 0, bias.stride(2),
                         one_minus_pi.stride(0), out.stride(0), out.stride(1), sums.stride(0), sums.stride(1),
-                        D=d, DV=dv, BR=BLOCK_ROWS, BN=BLOCK_SLOTS)
+                        D=d, DV=dv, BR=BLOCK_ROWS, BN=BLOCK_SLOTS, num_warps=NUM_WARPS)
     if terms is not None:
         terms.copy_(sums.reshape(b, h, rows, 2))
     return out.reshape(b, h, rows, dv), var.reshape(b, h, rows, dv)
 
 
-__all__ = ["hajek_step", "supports"]
+_TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def compile_for(capability: int, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
+                value_dim: int | None = None, *, block_slots: int = BLOCK_SLOTS, num_warps: int = NUM_WARPS):
+    """The kernel compiled ahead of time for an NVIDIA GPU of compute ``capability`` (80: A100, 90: H100/H200),
+    for a cache of ``dtype`` and these head sizes; no GPU needed. Returns Triton's ``CompiledKernel`` (its
+    ``asm["cubin"]`` and ``metadata.shared``, the bytes of shared memory a program asks for). Raises
+    RuntimeError under ``TRITON_INTERPRET=1``, where there is no compiler to run.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    value_dim = value_dim or head_dim
+    if not supports(head_dim, value_dim):
+        raise ValueError(f"compile_for: head sizes d={head_dim}, dv={value_dim} must be powers of two >= 16")
+    if dtype not in _TRITON_DTYPES:
+        raise ValueError(f"compile_for: dtype {dtype} is not one of {', '.join(map(str, _TRITON_DTYPES))}")
+    kernel = _kernel()
+    if not isinstance(kernel, triton.runtime.JITFunction):
+        raise RuntimeError("compile_for: the kernel was built for Triton's interpreter (TRITON_INTERPRET=1)")
+    constants = {"D": head_dim, "DV": value_dim, "BR": BLOCK_ROWS, "BN": block_slots}
+    pointers = {"q_ptr", "k_ptr", "v_ptr"}
+    signature = {name: "constexpr" if name in constants else f"*{_TRITON_DTYPES[dtype]}" if name in pointers
+                 else "*fp32" if name.endswith("_ptr") else "fp32" if name in ("scale", "tiny") else "i32"
+                 for name in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+
+
+__all__ = ["compile_for", "hajek_step", "supports"]
