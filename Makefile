@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install model device-check device-carry test test-heldout test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
+.PHONY: install model device-check device-carry device-check-standin test test-heldout test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
 	rehearse-paper plan
 
 $(STAMP): pyproject.toml
@@ -37,6 +37,25 @@ device-check: install model
 ## bundled tokenizer, written to device-carry/tokenizer.
 device-carry: install model
 	$(BIN)/python -c "from kvcert import load_tokenizer; load_tokenizer('smollm2').save_pretrained('device-carry/tokenizer')"
+
+## On a GPU node that cannot fetch the bundled model (docs/cluster.md): a stand-in with Llama-3.1-8B's heads built
+## from device-carry/tokenizer, then kvcert-device-check on it through the PyTorch path and through the Triton kernel
+## (KVCERT_TRITON=1). NODE_PYTHON: a Python that holds PyTorch, transformers and pandas (no venv needed). Runs both
+## checks whatever the first gives; exit 1 when either fails.
+NODE_PYTHON ?= python3
+STANDIN_DIR ?= /tmp/kvcert-standins
+STANDIN_LAYERS ?= 8
+CARRY_TOKENIZER ?= device-carry/tokenizer
+DEVICE_CHECK_ARGS ?=
+device-check-standin:
+	PYTHONPATH=src $(NODE_PYTHON) -m kvcert.standins --out $(STANDIN_DIR) --models llama --layers $(STANDIN_LAYERS) \
+	    --kv-heads 8 --head-dim 128 --longbench-tokens 0 --tokenizer $(CARRY_TOKENIZER)
+	status=0; \
+	PYTHONPATH=src $(NODE_PYTHON) -m kvcert.device_check --model hf:$(STANDIN_DIR)/models/llama $(DEVICE_CHECK_ARGS) \
+	    || status=1; \
+	KVCERT_TRITON=1 PYTHONPATH=src $(NODE_PYTHON) -m kvcert.device_check --model hf:$(STANDIN_DIR)/models/llama \
+	    $(DEVICE_CHECK_ARGS) || status=1; \
+	exit $$status
 
 ## The default test suite, including the smoke DAG end to end and the held-out calibration check (README's
 ## test command).
