@@ -72,7 +72,6 @@ def test_the_command_passes_on_this_machine(capsys):
     assert out.rstrip().endswith("kvcert-device-check: PASS" if passed else "kvcert-device-check: FAIL (overhead)"), out
 
 
-@pytest.mark.smollm2
 def test_a_model_that_cannot_be_loaded_is_one_line(capsys):
     """``--model`` with nothing to load: one line naming the option, exit status 2 (the stand-in itself is checked
     end to end through ``make device-check-standin``, below)."""
@@ -81,6 +80,7 @@ def test_a_model_that_cannot_be_loaded_is_one_line(capsys):
     assert len(err) == 1 and err[0].startswith("kvcert-device-check: --model hf:"), err
 
 
+@pytest.mark.smollm2
 def test_the_standin_target_runs_both_checks(tmp_path):
     """``make device-check-standin``, what a GPU node without network runs (docs/cluster.md): the stand-in with
     Llama-3.1-8B's heads (one layer here) built from a carried tokenizer, then the device check through the PyTorch
