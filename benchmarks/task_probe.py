@@ -31,36 +31,24 @@ VARIANTS = [
 ]
 
 
-def full_cache_answer(model, tokenizer, item, stop: set[int], limit: int) -> str:
-    """The model's greedy answer to ``item`` with the full cache, question-aware (as a cell decodes it)."""
-    from kvcert.generation import decode_batch, prefill
-    from kvcert.runner.cell import item_prompt
-
-    prompt = item_prompt(tokenizer, item, "question_aware", limit, "middle")
-    state = prefill(model, prompt.prefix_ids, prompt.suffix_ids, setting="question_aware")
-    (decoded,) = decode_batch(model, state, [None], max_new_tokens=int(item.max_new_tokens), stop_ids=stop,
-                              certify=False, randomized=[False])
-    return tokenizer.decode(decoded.token_ids, skip_special_tokens=True)
-
-
 def probe(model_name: str, variants: list[dict], seed: int, n_items: int) -> pd.DataFrame:
     import torch
     from tqdm import tqdm
 
     import kvcert
     from kvcert.data import is_correct, load_items, score_item
-    from kvcert.generation import eos_ids
-    from kvcert.prompts import model_limit
 
     model, tokenizer = kvcert.load_model(model_name)
-    stop, limit = eos_ids(model, tokenizer), model_limit(model)
     rows = []
     for variant in variants:
         items = load_items("ruler", {"name": "ruler", "tasks": [variant], "seed": seed}, tokenizer, n_items)
         correct, first = 0, None
         start = time.process_time()
         for item in tqdm(items, desc=f"{model_name} {items[0].task}", leave=False):
-            answer = full_cache_answer(model, tokenizer, item, stop, limit)
+            # the prediction kvcert-run records for this item with the full cache, question-aware
+            answer = kvcert.generate(model, tokenizer, context=item.context, question=item.question,
+                                     answer_prefix=item.answer_prefix, policy="full", certify=False, oracle=False,
+                                     max_new_tokens=int(item.max_new_tokens)).text
             correct += bool(is_correct(score_item(item, answer), item.metric))
             first = first or (answer, item.answers)
         rows.append({"model": model_name, "task": items[0].task, "variant": json.dumps(variant, sort_keys=True),
