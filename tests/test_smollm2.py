@@ -223,15 +223,17 @@ def test_certificate_overhead_benchmark_runs(capsys):
 
 
 def test_certificate_overhead_parts_benchmark_runs(capsys, monkeypatch):
-    """The PyTorch-path breakdown end to end on a short context: one row of three ratios, every configuration
-    decoding the same tokens (the script asserts it), and the library's function restored afterwards (its
+    """The PyTorch-path breakdown end to end on a short context: one row of four ratios, every configuration
+    decoding the same tokens (the script asserts it), and the library's functions restored afterwards (its
     timings are printed, never asserted)."""
     import importlib.util
     import os
 
     import kvcert.attention
+    from kvcert.certificates import CertificateRecorder
     from kvcert.estimator import hajek_with_variance
 
+    recorder_add = CertificateRecorder.add
     benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
     monkeypatch.syspath_prepend(str(benchmarks))
     path = benchmarks / "certificate_overhead_parts.py"
@@ -243,8 +245,9 @@ def test_certificate_overhead_parts_benchmark_runs(capsys, monkeypatch):
     table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and ln[2].isdigit()]
     assert len(table) == 1
     cells = [c.strip() for c in table[0].strip("|").split("|")]
-    assert len(cells) == 2 + 3 and all(float(c.split()[0]) > 0 for c in cells[1:])
+    assert len(cells) == 2 + 4 and all(float(c.split()[0]) > 0 for c in cells[1:])
     assert kvcert.attention.hajek_with_variance is hajek_with_variance
+    assert CertificateRecorder.add is recorder_add
     assert os.environ.get("KVCERT_KERNELS") == kernels_setting
 
 
