@@ -2,15 +2,20 @@
 
 kvpress 0.5.5 (NVIDIA's KV-cache compression library) pins transformers<5.3, so it cannot share kvcert's
 environment: `make peers` installs it into its own (.venv-peers, or the Python named by KVCERT_PEER_PYTHON),
-and tests/peers/kvpress_snapkv_scores.py computes its SnapKV scores there, on the same checkpoint and token
-ids, through kvpress's own ``SnapKVPress.score``.
+and tests/peers/kvpress_scores.py computes its scores there, on the same checkpoint and token ids, through
+kvpress's own presses' ``score``. Per layer and KV head, for every key of the prompt:
 
-SnapKV's scores (Li et al., 2024): kvcert's ``snapkv`` policy must give kvpress's scores for every key
-before the observation window, except the kernel_size // 2 keys just before it. There the two differ by
-design: kvpress pools only over the keys before the window (zero padding at its end), kvcert over all keys,
-so kvcert's score of such a key also averages in the window keys inside its pooling kernel. The test checks
-that difference too, computed from kvcert's window attention. (The window keys themselves: kvpress scores
-them above every other key; kvcert keeps its recent window, 32 keys by default, with certainty.)
+* SnapKV (Li et al., 2024): kvcert's ``snapkv`` gives kvpress's scores for every key before the observation
+  window except the kernel_size // 2 keys just before it. There the two differ by design: kvpress pools
+  only over the keys before the window (zero padding at its end), kvcert over all keys, so kvcert's score of
+  such a key also averages in the window keys inside its pooling kernel; the test checks that difference
+  too, computed from kvcert's window attention. The window keys: kvpress scores them above every other key;
+  kvcert keeps its recent window (32 keys by default) with certainty.
+* TOVA (Oren et al., 2024): ``tova`` with ``heads: all`` gives kvpress's scores for every key but the last,
+  which kvpress scores above every other key (kvcert's recent window keeps it). The default, ``heads:
+  kv_group``, averages per KV head instead and must differ.
+* Knorm (Devoto et al., 2024): kvcert scores 1 / ||k||, kvpress -||k||: the same order, checked as the exact
+  relation between the two.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from kvcert.theory import passkey_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PYTHON = Path(os.environ.get("KVCERT_PEER_PYTHON") or ROOT / ".venv-peers" / "bin" / "python")
-KVPRESS_SCORES = ROOT / "tests" / "peers" / "kvpress_snapkv_scores.py"
+KVPRESS_SCORES = ROOT / "tests" / "peers" / "kvpress_scores.py"
 # float32 scores from the same operations in another transformers version: rounding only
 RTOL, ATOL = 1e-5, 1e-9
 
@@ -37,8 +42,8 @@ RTOL, ATOL = 1e-5, 1e-9
 # shorter than its sliding window (512): beyond it, transformers' sliding-window cache hands kvpress only the
 # last 511 keys of a sliding layer, while kvcert keeps every key and masks the ones outside the window.
 CASES = [
-    pytest.param("smollm2", 40, [(16, 5), (8, 9)], marks=pytest.mark.smollm2, id="smollm2"),
-    pytest.param("gemma3", 16, [(16, 5)], marks=pytest.mark.slow, id="gemma3"),
+    pytest.param(("smollm2", 40, [(16, 5), (8, 9)]), marks=pytest.mark.smollm2, id="smollm2"),
+    pytest.param(("gemma3", 16, [(16, 5)]), marks=pytest.mark.slow, id="gemma3"),
 ]
 
 
@@ -50,8 +55,8 @@ def peer_python() -> Path:
 
 
 def kvpress_scores(peer_python: Path, model, ids: torch.Tensor, settings, tmp_path: Path) -> dict[str, np.ndarray]:
-    """kvpress's SnapKV scores of ``ids`` (1, n) for each (window, kernel) in ``settings``, from the peer
-    environment: {f"w{window}_k{kernel}_layer{i}": (1, kv_heads, n)} float64."""
+    """kvpress's scores of ``ids`` (1, n), from the peer environment: {"snapkv_w{window}_k{kernel}_layer{i}" for
+    each (window, kernel) in ``settings``, "tova_layer{i}", "knorm_layer{i}": (1, kv_heads, n) float64}."""
     checkpoint = tmp_path / "checkpoint"
     model.save_pretrained(checkpoint)
     np.save(tmp_path / "ids.npy", ids.numpy())
@@ -63,6 +68,21 @@ def kvpress_scores(peer_python: Path, model, ids: torch.Tensor, settings, tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     with np.load(out) as arrays:
         return dict(arrays)
+
+
+@pytest.fixture(scope="module", params=CASES)
+def compared(request, peer_python, tmp_path_factory):
+    """(model name, model, ids (1, n), settings, kvpress's scores) of one case, kvpress run once per model."""
+    model_name, n_noise, settings = request.param
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    model, tokenizer = kvcert.load_model(model_name)
+    context, question, _ = passkey_prompt(n_noise=n_noise, n_needles=4, seed=0)
+    ids = tokenizer(context + question, return_tensors="pt").input_ids
+    sliding = getattr(model.config, "sliding_window", None)
+    assert sliding is None or ids.shape[-1] < sliding, "the prompt must stay within the sliding window (see CASES)"
+    peer = kvpress_scores(peer_python, model, ids, settings, tmp_path_factory.mktemp(model_name))
+    assert sys.executable != str(peer_python)  # the peer ran in its own environment, not kvcert's
+    return model_name, model, ids, settings, peer
 
 
 def pooled_window_share(view, window: int, kernel: int) -> np.ndarray:
@@ -79,25 +99,17 @@ def pooled_window_share(view, window: int, kernel: int) -> np.ndarray:
     return share.reshape(b, hk, hq // hk, half).mean(dim=2).numpy()
 
 
-@pytest.mark.parametrize(("model_name", "n_noise", "settings"), CASES)
-def test_snapkv_scores_equal_kvpress(peer_python, tmp_path, model_name, n_noise, settings):
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    model, tokenizer = kvcert.load_model(model_name)
-    context, question, _ = passkey_prompt(n_noise=n_noise, n_needles=4, seed=0)
-    ids = tokenizer(context + question, return_tensors="pt").input_ids
-    n = ids.shape[-1]
-    sliding = getattr(model.config, "sliding_window", None)
-    assert sliding is None or n < sliding, "the prompt must stay within the sliding window (see CASES)"
-    peer = kvpress_scores(peer_python, model, ids, settings, tmp_path)
-    layers = model.config.num_hidden_layers
+def test_snapkv_scores_equal_kvpress(compared):
+    model_name, model, ids, settings, peer = compared
+    n, layers = ids.shape[-1], model.config.num_hidden_layers
     for window, kernel in settings:
         state = kvcert.prefill(model, ids, observation_window=window, policy_options={"snapkv": {"kernel_size": kernel}})
         ours = state.scores("snapkv")
         views = state.layer_views()
-        assert len(ours) == layers and all(f"w{window}_k{kernel}_layer{i}" in peer for i in range(layers))
+        assert len(ours) == layers
         edge = n - window - kernel // 2  # the first key whose kernel reaches into the window
         for i in range(layers):
-            theirs, mine = peer[f"w{window}_k{kernel}_layer{i}"], ours[i].double().numpy()
+            theirs, mine = peer[f"snapkv_w{window}_k{kernel}_layer{i}"], ours[i].double().numpy()
             assert mine.shape == theirs.shape == (1, model.config.num_key_value_heads, n)
             np.testing.assert_allclose(mine[..., :edge], theirs[..., :edge], rtol=RTOL, atol=ATOL,
                                        err_msg=f"{model_name} layer {i}, window {window}, kernel {kernel}")
@@ -111,4 +123,27 @@ def test_snapkv_scores_equal_kvpress(peer_python, tmp_path, model_name, n_noise,
                 f"{(mine_edge - theirs_edge).ravel().tolist()}, not by {extra.ravel().tolist()}")
             # kvpress puts the window keys above every other key
             assert (theirs[..., n - window:] > theirs[..., : n - window].max(-1, keepdims=True)).all()
-    assert sys.executable != str(peer_python)  # the peer ran in its own environment, not kvcert's
+
+
+def test_tova_over_all_heads_equals_kvpress(compared):
+    model_name, model, ids, _, peer = compared
+    n, hk = ids.shape[-1], model.config.num_key_value_heads
+    state = kvcert.prefill(model, ids, policy_options={"tova": {"heads": "all"}})
+    default = kvcert.prefill(model, ids)
+    for i, (mine, per_group) in enumerate(zip(state.scores("tova"), default.scores("tova"))):
+        theirs, mine, per_group = peer[f"tova_layer{i}"], mine.double().numpy(), per_group.double().numpy()
+        assert mine.shape == theirs.shape == (1, hk, n)
+        np.testing.assert_allclose(mine[..., :-1], theirs[..., :-1], rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{model_name} layer {i}")
+        assert (theirs[..., -1] > theirs[..., :-1].max(-1)).all()  # kvpress keeps the last key above all
+        if hk > 1:  # with one KV head both means are the same
+            assert np.abs(per_group - mine).max() > 1e-6, f"{model_name} layer {i}: heads=kv_group == heads=all"
+
+
+def test_knorm_is_the_reciprocal_of_kvpress(compared):
+    model_name, model, ids, _, peer = compared
+    state = kvcert.prefill(model, ids)
+    for i, mine in enumerate(state.scores("knorm")):
+        theirs = peer[f"knorm_layer{i}"]  # -||k||
+        assert mine.shape == theirs.shape and (theirs < 0).all()
+        np.testing.assert_allclose(mine.double().numpy(), -1.0 / theirs, rtol=RTOL, atol=0, err_msg=f"{model_name} layer {i}")

@@ -7,7 +7,8 @@ both hide keys from some window query. The formulas:
 * SnapKV (Li et al., 2024): softmax attention of the observation window (the last w prompt queries) over
   the visible keys, averaged over the window, smoothed by a 1-D average pool of width 5 (zero padding,
   counted), then averaged over the query heads of each KV head;
-* TOVA (Oren et al., 2024): the attention of the last prompt token alone, averaged over the query heads;
+* TOVA (Oren et al., 2024): the attention of the last prompt token alone, averaged over the query heads (of each
+  KV head by default; of the whole layer with heads="all");
 * H2O (Zhang et al., 2023): the attention each key received, summed over every prefill query, averaged
   over the query heads. Besides the hand-built view, the accumulation itself is checked through
   ``kvcert.prefill(..., accumulate=True)`` on a tiny Gemma3 (one sliding-window layer, one full layer)
@@ -123,6 +124,18 @@ def test_tova_is_the_last_queries_attention_averaged_over_query_heads():
     expected = _group_mean(_window_attention(view)[:, -1, :])
     np.testing.assert_allclose(_score("tova", view), expected, rtol=RTOL, atol=ATOL)
     assert np.abs(_group_mean(_window_attention(view)[:, -2, :]) - expected).max() > 1e-3
+
+
+def test_tova_over_all_heads_is_one_score_for_every_kv_head():
+    """heads="all": the mean over every query head of the layer, as the TOVA paper's code and kvpress average."""
+    view = _view()
+    last = _window_attention(view)[:, -1, :]  # (hq, n)
+    expected = np.stack([np.mean([last[h] for h in range(HQ)], axis=0)] * HK)
+    scores = get_policy("tova", heads="all").score(view)[0].double().numpy()
+    np.testing.assert_allclose(scores, expected, rtol=RTOL, atol=ATOL)
+    assert np.abs(scores - _score("tova", view)).max() > 1e-3  # not the default's per-KV-head mean
+    with pytest.raises(ValueError, match="heads='query'"):
+        get_policy("tova", heads="query")
 
 
 def test_h2o_averages_the_accumulated_attention_over_query_heads():
