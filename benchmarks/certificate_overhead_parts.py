@@ -11,7 +11,7 @@ same prompt from one shared prefill, their forward passes interleaved as in ``ce
   (d_out) (d) with the variance left out: the certified call computes the Hájek output only (explicit float32
           logits, softmax and weighted sum) and hands the recorder zeros for the variance and its terms;
   (d_sdpa) (d) with the output computed by SDPA, as in (c), and zeros for the variance;
-  (d_floor) less than any certified call can do: the output and the per-slot sums of a trace-only variance
+  (d_floor) less than a correct certified call can do: the output and the per-slot sums of a trace-only variance
           from one matmul of the stacked weights [a; c] with the values (c = (1 − π) a²), the tail's centre and
           squared distances to it computed once per decode and layer (a per-slot tensor kept past the call,
           which the library must not keep), the per-row combination of the sums left out, and the recorder
@@ -20,9 +20,10 @@ same prompt from one shared prefill, their forward passes interleaved as in ``ce
 (d_out), (d_sdpa) and (d_floor) are instruments, not library behaviour: for their passes only, the function the
 certified call uses (``kvcert.attention.hajek_with_variance``) is replaced (and for (d_floor) the recorder's
 ``add`` is a no-op). So d_sdpa/c is what the certificate costs before any of its arithmetic, d_out/c adds the
-explicit attention, d/c adds the variance's operations, and d_floor/c bounds from below what rearranging
-PyTorch operations could reach on this path. The table gives the median milliseconds per decode step and each
-ratio over (c) as the median [interquartile range] of the per-round ratios, after a warm-up round.
+explicit attention, d/c adds the variance's operations, and d_floor/c is what remains when even part of that
+work is dropped: a floor for what rearranging PyTorch operations could reach on this path. The table gives
+the median milliseconds per decode step and each ratio over (c) as the median [interquartile range] of the
+per-round ratios, after a warm-up round.
 
     python benchmarks/certificate_overhead_parts.py [--contexts 1000 4000] [--reps 9]   (sets KVCERT_KERNELS=0)
 """
@@ -106,6 +107,8 @@ RECORDER_ADD = CertificateRecorder.add
 
 def _skip_recording(*args, **kwargs) -> None:
     """(d_floor)'s recorder: hands nothing over (no per-call summaries, no step records)."""
+
+
 # name: (certify, the certified call's function, the recorder records)
 CONFIGS = {"c": (False, SHIPPED, True), "d": (True, SHIPPED, True), "d_out": (True, output_only, True),
            "d_sdpa": (True, sdpa_only, True), "d_floor": (True, TRACE_FLOOR, False)}

@@ -21,6 +21,7 @@ kvpress's own presses' ``score``. Per layer and KV head, for every key of the pr
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,10 @@ def kvpress_scores(peer_python: Path, model, ids: torch.Tensor, settings, tmp_pa
     command = [str(peer_python), str(KVPRESS_SCORES), str(checkpoint), str(tmp_path / "ids.npy"), str(out),
                "--settings", *(f"{w}:{k}" for w, k in settings)]
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # nothing of kvcert's there
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    finally:
+        shutil.rmtree(checkpoint)  # up to a GB of float32 weights
     assert done.returncode == 0, done.stderr[-3000:]
     with np.load(out) as arrays:
         return dict(arrays)
@@ -74,7 +78,6 @@ def kvpress_scores(peer_python: Path, model, ids: torch.Tensor, settings, tmp_pa
 def compared(request, peer_python, tmp_path_factory):
     """(model name, model, ids (1, n), settings, kvpress's scores) of one case, kvpress run once per model."""
     model_name, n_noise, settings = request.param
-    torch.set_num_threads(min(2, torch.get_num_threads()))
     model, tokenizer = kvcert.load_model(model_name)
     context, question, _ = passkey_prompt(n_noise=n_noise, n_needles=4, seed=0)
     ids = tokenizer(context + question, return_tensors="pt").input_ids
@@ -92,7 +95,8 @@ def pooled_window_share(view, window: int, kernel: int) -> np.ndarray:
     attention = view.window_attention().mean(dim=2).double()  # (b, q_heads, n)
     n = attention.shape[-1]
     half = kernel // 2
-    shares = [attention[..., n - window: min(n, j + half + 1)].sum(-1) / kernel for j in range(n - window - half, n - window)]
+    shares = [attention[..., n - window: min(n, j + half + 1)].sum(-1) / kernel
+              for j in range(n - window - half, n - window)]
     share = torch.stack(shares, dim=-1)  # (b, q_heads, half)
     b, hq, _ = share.shape
     hk = view.keys.shape[1]
@@ -103,7 +107,8 @@ def test_snapkv_scores_equal_kvpress(compared):
     model_name, model, ids, settings, peer = compared
     n, layers = ids.shape[-1], model.config.num_hidden_layers
     for window, kernel in settings:
-        state = kvcert.prefill(model, ids, observation_window=window, policy_options={"snapkv": {"kernel_size": kernel}})
+        state = kvcert.prefill(model, ids, observation_window=window,
+                               policy_options={"snapkv": {"kernel_size": kernel}})
         ours = state.scores("snapkv")
         views = state.layer_views()
         assert len(ours) == layers
@@ -146,4 +151,5 @@ def test_knorm_is_the_reciprocal_of_kvpress(compared):
     for i, mine in enumerate(state.scores("knorm")):
         theirs = peer[f"knorm_layer{i}"]  # -||k||
         assert mine.shape == theirs.shape and (theirs < 0).all()
-        np.testing.assert_allclose(mine.double().numpy(), -1.0 / theirs, rtol=RTOL, atol=0, err_msg=f"{model_name} layer {i}")
+        np.testing.assert_allclose(mine.double().numpy(), -1.0 / theirs, rtol=RTOL, atol=0,
+                                   err_msg=f"{model_name} layer {i}")
