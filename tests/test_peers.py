@@ -31,6 +31,7 @@ import pytest
 import torch
 
 import kvcert
+from kvcert.policies import get_policy
 from kvcert.theory import passkey_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,10 +98,7 @@ def pooled_window_share(view, window: int, kernel: int) -> np.ndarray:
     half = kernel // 2
     shares = [attention[..., n - window: min(n, j + half + 1)].sum(-1) / kernel
               for j in range(n - window - half, n - window)]
-    share = torch.stack(shares, dim=-1)  # (b, q_heads, half)
-    b, hq, _ = share.shape
-    hk = view.keys.shape[1]
-    return share.reshape(b, hk, hq // hk, half).mean(dim=2).numpy()
+    return view.group_mean(torch.stack(shares, dim=-1)).numpy()  # (b, q_heads, half) -> (b, kv_heads, half)
 
 
 def test_snapkv_scores_equal_kvpress(compared):
@@ -134,9 +132,10 @@ def test_tova_over_all_heads_equals_kvpress(compared):
     model_name, model, ids, _, peer = compared
     n, hk = ids.shape[-1], model.config.num_key_value_heads
     state = kvcert.prefill(model, ids, policy_options={"tova": {"heads": "all"}})
-    default = kvcert.prefill(model, ids)
-    for i, (mine, per_group) in enumerate(zip(state.scores("tova"), default.scores("tova"))):
-        theirs, mine, per_group = peer[f"tova_layer{i}"], mine.double().numpy(), per_group.double().numpy()
+    per_group_tova = get_policy("tova")  # the default, heads: kv_group, on the same prefill
+    for i, (mine, view) in enumerate(zip(state.scores("tova"), state.layer_views())):
+        theirs, mine = peer[f"tova_layer{i}"], mine.double().numpy()
+        per_group = per_group_tova.score(view).double().numpy()
         assert mine.shape == theirs.shape == (1, hk, n)
         np.testing.assert_allclose(mine[..., :-1], theirs[..., :-1], rtol=RTOL, atol=ATOL,
                                    err_msg=f"{model_name} layer {i}")
