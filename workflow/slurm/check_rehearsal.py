@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
-import yaml
+import yte
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     scale = load_scale(args.scale, REPO / "workflow" / "scales")
     cells = study_cells(scale)
-    profile = yaml.safe_load(args.profile.read_text())
+    profile = yte.process_yaml(args.profile.read_text())  # evaluates ?expressions as Snakemake does
     c = Checks()
     log = args.log.read_text(errors="replace")
     jobids = check_submissions(c, log, profile, scale, cells)
