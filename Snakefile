@@ -23,6 +23,7 @@ rule all:
     default_target: True
     input:
         TABLES if STUDIES else [],
+        f"{OUT}/claims_grid.md" if STUDIES else [],
         CLAIM_FIGURES,
         NOTEBOOKS if STUDIES else [],
         EXPLORATORY_OUTPUTS,

@@ -42,17 +42,34 @@ rule aggregate:
         "kvcert-aggregate {input.claims} --accuracy {input.accuracy} --out-dir {OUT} > {log} 2>&1"
 
 
-# README's results grid: every study's seven verdicts beside the paper's, from the claims table. For the
-# committed results it also replaces the grid between README.md's results-grid markers, so the grid is never
-# typed by hand (tests/test_docs.py compares the two). Not part of `all`, whose jobs kvcert-plan lists
-# (kvcert.plan.plan_jobs): snakemake --cores 1 results/claims_grid.md
-rule readme_grid:
+# The numbers of README.md and docs/studies/*.md: every value span and generated block (the results grid among
+# them) rendered in place from the tables it names (workflow/scripts/render_docs.py), so that no number in them
+# is typed by hand; tests/test_docs.py fails when a page differs from its rendering. The pages are rendered only
+# for the committed results (their inputs: the pages and every table their values read); any other outdir gets
+# the grid alone. The only rule that writes those pages.
+DOC_PAGES = [str(REPO / "README.md"), *sorted(str(p) for p in (REPO / "docs" / "studies").glob("*.md"))]
+RENDERS_DOCS = Path(OUT).resolve() == (REPO / "results").resolve()
+
+
+def render_docs_inputs(wildcards):
+    if not RENDERS_DOCS:
+        return [f"{OUT}/claims.csv"]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_docs", REPO / "workflow" / "scripts" / "render_docs.py")
+    renderer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(renderer)
+    return [*DOC_PAGES, *renderer.inputs(DOC_PAGES, OUT)]
+
+
+rule render_docs:
     input:
-        claims=f"{OUT}/claims.csv",
+        render_docs_inputs,
     output:
         grid=f"{OUT}/claims_grid.md",
     params:
-        readme=str(REPO / "README.md") if Path(OUT).resolve() == (REPO / "results").resolve() else "",
+        results=OUT,
+        pages=DOC_PAGES if RENDERS_DOCS else [],
     localrule: True
     script:
-        "../scripts/readme_grid.py"
+        "../scripts/render_docs.py"

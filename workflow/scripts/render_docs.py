@@ -1,0 +1,274 @@
+"""The numbers of README.md and docs/studies/*.md, rendered from the committed tables so that none is typed by
+hand. A page marks each number it states and each generated block:
+
+    <!-- value:claims study=v4 claim=c1 ci .1f -->−17.5 [−19.4, −15.5]<!-- /value -->
+    <!-- block:results-grid:start --> ... <!-- block:results-grid:end -->
+
+A value's key reads ``SOURCE FIELD=VALUE ... COLUMN [FORMAT]``: the table (SOURCES below), the row (every
+FIELD=VALUE must match; quote a value holding spaces), the column and a Python format spec (default .4g; ``s``: the cell as it is).
+Column ``min(COLUMN)`` or ``max(COLUMN)`` takes the extreme over
+every matching row. Column ``ci`` is the estimate with its 95% interval, "x [lo, hi]"; ``COLUMN~ci`` does the same for a column
+whose bounds are COLUMN_lo and COLUMN_hi (the sensitivity table). Minus signs are rendered as "−". Source
+``accuracy`` pools the matching rows of accuracy.csv over what the key leaves open (weighted by n; column n
+is their sum). Blocks: ``results-grid`` (one row per claim, one column per study; also written to
+results/claims_grid.md).
+
+Run by rule ``render_docs`` (workflow/rules/tables.smk), part of the default target, or by hand:
+    python workflow/scripts/render_docs.py results --grid results/claims_grid.md README.md docs/studies/*.md
+"""
+
+import argparse
+import csv
+import json
+import re
+import shlex
+import sys
+from collections import Counter
+from functools import lru_cache
+from pathlib import Path
+
+from kvcert.atomic import write_text_atomic
+
+VALUE = re.compile(r"<!-- value:(?P<key>.+?) -->(?P<shown>.*?)<!-- /value -->", re.S)
+BLOCK = re.compile(r"(?P<open><!-- block:(?P<name>[\w-]+):start -->\n)(?P<shown>.*?)(?P<close><!-- block:(?P=name):end -->)",
+                   re.S)
+MINUS = "−"
+GRID_COLUMNS = {"study", "prereg", "claim", "title", "component", "estimate", "ci_low", "ci_high", "threshold",
+                "verdict", "paper_verdict"}
+
+
+class DocError(ValueError):
+    pass
+
+
+# --- sources: a key's table, as a list of row dicts ------------------------------------------------------------
+
+
+def _csv(path):
+    if not Path(path).is_file():
+        raise DocError(f"{path}: no such table")
+    return [dict(r) for r in _read_csv(str(path))]
+
+
+@lru_cache(maxsize=None)  # a page reads the same few tables hundreds of times
+def _read_csv(path):
+    with open(path, newline="") as handle:
+        return tuple(csv.DictReader(handle))
+
+
+def _claim_json(results, fields):
+    """One claim JSON (``study=``, ``claim=``) flattened to one row: nested keys joined by dots."""
+    study, claim = fields.pop("study", None), fields.pop("claim", None)
+    if not study or not claim:
+        raise DocError("claim_json needs study= and claim=")
+    path = results / study / "claims" / f"{claim}.json"
+    if not path.is_file():
+        raise DocError(f"{path}: no such claim")
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix[:-1]] = value
+    walk("", json.loads(path.read_text()))
+    return [flat]
+
+
+def _cells(results, fields):
+    """A study's committed cell manifests (``study=``): count, seconds (their summed wall time) and minutes on 2
+    cores (seconds / 120: two cells at a time)."""
+    study = fields.pop("study", None)
+    paths = sorted((results / str(study)).glob("cells/*/shard-*/manifest.json"))
+    if not paths:
+        raise DocError(f"cells: no manifests under {results / str(study)}/cells")
+    seconds = sum(json.loads(p.read_text())["wall_seconds"]["total"] for p in paths)
+    return [{"count": len(paths), "seconds": seconds, "minutes_on_2_cores": seconds / 120}]
+
+
+# SOURCE -> (results, the key's row fields) -> rows. Fields a source consumes are popped.
+SOURCES = {
+    "claims": lambda results, fields: _csv(results / "claims.csv"),
+    "by_model": lambda results, fields: _csv(results / "claims_by_model.csv"),
+    "reproduction": lambda results, fields: _csv(results / "reproduction.csv"),
+    "accuracy": lambda results, fields: _csv(results / "accuracy.csv"),
+    "sensitivity": lambda results, fields: _csv(results / "sensitivity" / "sensitivity.csv"),
+    "claim_json": _claim_json,
+    "cells": _cells,
+}
+
+
+def source_files(results, key):
+    """The files a value's key reads (the rule's inputs)."""
+    source, fields, _, _ = parse(key)
+    results = Path(results)
+    if source == "claim_json":
+        return [results / fields["study"] / "claims" / f"{fields['claim']}.json"]
+    if source == "cells":
+        return sorted((results / fields["study"]).glob("cells/*/shard-*/manifest.json"))
+    return [results / {"claims": "claims.csv", "by_model": "claims_by_model.csv", "accuracy": "accuracy.csv",
+                       "reproduction": "reproduction.csv", "sensitivity": "sensitivity/sensitivity.csv"}[source]]
+
+
+# --- values ------------------------------------------------------------------------------------------------------
+
+
+def parse(key):
+    """``SOURCE FIELD=VALUE ... COLUMN [FORMAT]`` -> (source, {field: value}, column, format)."""
+    try:
+        words = shlex.split(key)
+    except ValueError as err:
+        raise DocError(f"value key {key!r}: {err}") from None
+    if not words or words[0] not in SOURCES:
+        raise DocError(f"value key {key!r}: unknown source; known: {', '.join(SOURCES)}")
+    fields = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+    rest = [w for w in words[1:] if "=" not in w]
+    if len(rest) not in (1, 2):
+        raise DocError(f"value key {key!r}: want one column and at most one format after the fields")
+    return words[0], fields, rest[0], rest[1] if len(rest) == 2 else ".4g"
+
+
+def _same(cell, wanted):
+    try:
+        return float(cell) == float(wanted)
+    except (TypeError, ValueError):
+        return str(cell) == wanted
+
+
+def _number(value, spec):
+    value = float(value)
+    if spec.endswith("d"):
+        if value != round(value):
+            raise DocError(f"format {spec!r} wants a whole number, got {value}")
+        value = int(round(value))
+    shown = format(value, spec)
+    return shown.replace("-", MINUS)
+
+
+def value(results, key):
+    """The text a value span shows for ``key``, from the tables under ``results``."""
+    source, fields, column, spec = parse(key)
+    rows = SOURCES[source](Path(results), fields)
+    rows = [r for r in rows if all(k in r and _same(r[k], v) for k, v in fields.items())]
+    if source == "accuracy" and rows:  # pooled over what the key leaves open
+        n = sum(int(r["n"]) for r in rows)
+        rows = [{"accuracy": sum(float(r["accuracy"]) * int(r["n"]) for r in rows) / n, "n": n}]
+    extreme = re.fullmatch(r"(min|max)\((\w+)\)", column)
+    if extreme and rows:  # the smallest or largest of a column over every matching row
+        pick = min if extreme[1] == "min" else max
+        column = extreme[2]
+        rows = [pick(rows, key=lambda r: float(r[column]))]
+    if len(rows) != 1:
+        raise DocError(f"value key {key!r}: {len(rows)} rows match, want 1")
+    row = rows[0]
+    if column == "ci" or column.endswith("~ci"):
+        name = column[:-3] if column.endswith("~ci") else ("estimate" if "estimate" in row else "ours")
+        low, high = ("ci_low", "ci_high") if column == "ci" else (f"{name}_lo", f"{name}_hi")
+        return f"{_number(row[name], spec)} [{_number(row[low], spec)}, {_number(row[high], spec)}]"
+    if column not in row:
+        raise DocError(f"value key {key!r}: no column {column!r}; the row has {', '.join(row)}")
+    if spec == "s":
+        return str(row[column])
+    return _number(row[column], spec)
+
+
+# --- blocks ------------------------------------------------------------------------------------------------------
+
+
+def grid(claims_csv):
+    """README's results grid (markdown, ending in a newline): one row per claim, one column per study of the
+    claims table (estimate [95% CI] and verdict, 4 significant digits), the paper's verdict beside them."""
+    rows = _csv(Path(claims_csv))
+    missing = sorted(GRID_COLUMNS - set(rows[0] if rows else ()))
+    if not rows or missing:
+        raise DocError(f"{claims_csv}: " + (f"missing column(s) {', '.join(missing)}" if rows else "no rows"))
+    fmt = lambda text: f"{float(text):.4g}"  # noqa: E731
+    studies = list(dict.fromkeys(r["study"] for r in rows))
+    claims = sorted(dict.fromkeys(r["claim"] for r in rows), key=lambda c: int(c.lstrip("c")))
+    by_key = {(r["study"], r["claim"]): r for r in rows}
+    prereg = {r["study"]: r["prereg"] for r in rows}
+    header = ["claim", "binding component, threshold", *(f"{s} (prereg {prereg[s]})" for s in studies), "paper"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for claim in claims:
+        present = [by_key[(s, claim)] for s in studies if (s, claim) in by_key]
+        papers = {r["paper_verdict"] for r in present}
+        if len(papers) != 1:
+            raise DocError(f"{claims_csv}: claim {claim} has paper verdicts {sorted(papers)} in different rows")
+        # The component most studies decide on; a study deciding on another one names it in its own cell.
+        usual = Counter((r["component"], r["threshold"]) for r in present).most_common(1)[0][0]
+        cells = [f"**{claim}** {present[0]['title']}", f"`{usual[0]}`, {fmt(usual[1])}"]
+        for study in studies:
+            r = by_key.get((study, claim))
+            if r is None:
+                cells.append("—")
+                continue
+            own = "" if (r["component"], r["threshold"]) == usual else f"`{r['component']}`, {fmt(r['threshold'])}: "
+            cells.append(f"{own}{fmt(r['estimate'])} [{fmt(r['ci_low'])}, {fmt(r['ci_high'])}]<br>**{r['verdict']}**")
+        cells.append(papers.pop())
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# NAME -> (results) -> the block's markdown, ending in a newline.
+BLOCKS = {"results-grid": lambda results: grid(Path(results) / "claims.csv")}
+
+
+# --- pages -------------------------------------------------------------------------------------------------------
+
+
+def render(page_text, results, where="page"):
+    """``page_text`` with every value span and block rendered from the tables under ``results``."""
+    def one_value(match):
+        try:
+            shown = value(results, match["key"])
+        except DocError as err:
+            raise DocError(f"{where}: {err}") from None
+        return f"<!-- value:{match['key']} -->{shown}<!-- /value -->"
+
+    def one_block(match):
+        if match["name"] not in BLOCKS:
+            raise DocError(f"{where}: unknown block {match['name']!r}; known: {', '.join(BLOCKS)}")
+        return f"{match['open']}{BLOCKS[match['name']](results)}{match['close']}"
+    opened = len(re.findall(r"<!-- value:", page_text))
+    if opened != len(VALUE.findall(page_text)):
+        raise DocError(f"{where}: a <!-- value:... --> span lacks its <!-- /value -->")
+    return BLOCK.sub(one_block, VALUE.sub(one_value, page_text))
+
+
+def inputs(pages, results):
+    """Every file the pages' values and blocks read."""
+    files = {Path(results) / "claims.csv"}
+    for page in pages:
+        for match in VALUE.finditer(Path(page).read_text(encoding="utf-8")):
+            files.update(source_files(results, match["key"]))
+    return sorted(str(f) for f in files)
+
+
+def write(results, pages, grid_out):
+    for page in map(Path, pages):
+        before = page.read_text(encoding="utf-8")
+        after = render(before, results, where=str(page))
+        if after != before:  # an unchanged page keeps its timestamp
+            write_text_atomic(after, page)
+    write_text_atomic(grid(Path(results) / "claims.csv"), grid_out)  # last: the rule's output is the newest file
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", help="the folder of the tables (results)")
+    parser.add_argument("pages", nargs="*", help="markdown pages whose values and blocks are rendered in place")
+    parser.add_argument("--grid", required=True, help="the results grid as a markdown file")
+    args = parser.parse_args(argv)
+    try:
+        write(args.results, args.pages, args.grid)
+    except (OSError, ValueError) as err:
+        print(f"render_docs: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if "snakemake" in globals():
+    write(snakemake.params.results, snakemake.params.pages, snakemake.output.grid)  # noqa: F821
+elif __name__ == "__main__":
+    sys.exit(main())
