@@ -64,27 +64,66 @@ def _claim_json(results, fields):
     path = results / study / "claims" / f"{claim}.json"
     if not path.is_file():
         raise DocError(f"{path}: no such claim")
+    return [_flat(json.loads(path.read_text()))]
+
+
+def _flat(document):
+    """A JSON or YAML document as one row: nested keys joined by dots; a list of mappings that each have a
+    ``name`` (a claim's components) is keyed by that name."""
     flat = {}
 
     def walk(prefix, value):
+        if isinstance(value, list) and value and all(isinstance(v, dict) and "name" in v for v in value):
+            value = {v["name"]: v for v in value}
         if isinstance(value, dict):
             for k, v in value.items():
                 walk(f"{prefix}{k}.", v)
         else:
             flat[prefix[:-1]] = value
-    walk("", json.loads(path.read_text()))
-    return [flat]
+    walk("", document)
+    return flat
+
+
+def _manifests(results, study, cell="*"):
+    """A study's committed cell manifests, of the cells whose folder name matches the glob ``cell``."""
+    return sorted((results / str(study)).glob(f"cells/{cell}/shard-*/manifest.json"))
 
 
 def _cells(results, fields):
-    """A study's committed cell manifests (``study=``): count, seconds (their summed wall time) and minutes on 2
-    cores (seconds / 120: two cells at a time)."""
-    study = fields.pop("study", None)
-    paths = sorted((results / str(study)).glob("cells/*/shard-*/manifest.json"))
+    """A study's committed cell manifests (``study=``; ``cell=`` a glob on the cell's folder, default every
+    cell) as one row: count (manifests), seconds (their summed ``wall_seconds.total``), minutes_on_2_cores
+    (seconds / 120: two cells at a time), items (items the shards hold), resumed (items a resumed shard took
+    from its checkpoint, untimed) and seconds_per_item (seconds over the items the manifests time)."""
+    study, cell = fields.pop("study", None), fields.pop("cell", "*")
+    paths = _manifests(results, study, cell)
     if not paths:
-        raise DocError(f"cells: no manifests under {results / str(study)}/cells")
-    seconds = sum(json.loads(p.read_text())["wall_seconds"]["total"] for p in paths)
-    return [{"count": len(paths), "seconds": seconds, "minutes_on_2_cores": seconds / 120}]
+        raise DocError(f"cells: no manifests under {results / str(study)}/cells/{cell}")
+    manifests = [json.loads(p.read_text()) for p in paths]
+    seconds = sum(m["wall_seconds"]["total"] for m in manifests)
+    items = sum(m["n_shard_items"] for m in manifests)
+    resumed = sum(m.get("n_resumed_items") or 0 for m in manifests)
+    return [{"count": len(paths), "seconds": seconds, "minutes_on_2_cores": seconds / 120, "items": items,
+             "resumed": resumed, "seconds_per_item": seconds / (items - resumed)}]
+
+
+def _yaml(results, fields):
+    """A committed YAML file (``file=``, relative to the repository: the folder above ``results``) flattened to
+    one row like a claim JSON (a pilot, power or design output of a pre-registration)."""
+    import yaml
+
+    name = fields.pop("file", None)
+    path = results.resolve().parent / str(name)
+    if not name or not path.is_file():
+        raise DocError(f"yaml: no such file {name!r} (file= is relative to the repository)")
+    return [_flat(yaml.safe_load(path.read_text()))]
+
+
+def _probes(results, fields):
+    """The task probes' tables (results/probes/*.csv), one row per model and task."""
+    paths = sorted((results / "probes").glob("*.csv"))
+    if not paths:
+        raise DocError(f"{results / 'probes'}: no probe tables")
+    return [row for path in paths for row in _csv(path)]
 
 
 # SOURCE -> (results, the key's row fields) -> rows. Fields a source consumes are popped.
@@ -96,6 +135,8 @@ SOURCES = {
     "sensitivity": lambda results, fields: _csv(results / "sensitivity" / "sensitivity.csv"),
     "claim_json": _claim_json,
     "cells": _cells,
+    "yaml": _yaml,
+    "probes": _probes,
 }
 
 
@@ -106,7 +147,11 @@ def source_files(results, key):
     if source == "claim_json":
         return [results / fields["study"] / "claims" / f"{fields['claim']}.json"]
     if source == "cells":
-        return sorted((results / fields["study"]).glob("cells/*/shard-*/manifest.json"))
+        return _manifests(results, fields["study"], fields.get("cell", "*"))
+    if source == "yaml":
+        return [results.resolve().parent / fields["file"]]
+    if source == "probes":
+        return sorted((results / "probes").glob("*.csv"))
     return [results / {"claims": "claims.csv", "by_model": "claims_by_model.csv", "accuracy": "accuracy.csv",
                        "reproduction": "reproduction.csv", "sensitivity": "sensitivity/sensitivity.csv"}[source]]
 
