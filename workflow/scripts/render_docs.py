@@ -8,7 +8,9 @@ A value's key reads ``SOURCE FIELD=VALUE ... COLUMN [FORMAT]``: the table (SOURC
 FIELD=VALUE must match; quote a value holding spaces), the column and a Python format spec (default .4g; ``s``: the cell as it is).
 Column ``min(COLUMN)`` or ``max(COLUMN)`` takes the extreme over
 every matching row. Column ``ci`` is the estimate with its 95% interval, "x [lo, hi]"; ``COLUMN~ci`` does the same for a column
-whose bounds are COLUMN_lo and COLUMN_hi (the sensitivity table). Minus signs are rendered as "−". Source
+whose bounds are COLUMN_lo and COLUMN_hi (the sensitivity table) or for a claim JSON's nested interval
+(``details.gain_over_confidence~ci``); ``width()`` or ``width(NAME)`` is such an interval's width. Minus signs
+are rendered as "−". Source
 ``accuracy`` pools the matching rows of accuracy.csv over what the key leaves open (weighted by n; column n
 is their sum). Blocks: ``results-grid`` (one row per claim, one column per study; also written to
 results/claims_grid.md).
@@ -191,6 +193,22 @@ def _number(value, spec):
     return shown.replace("-", MINUS)
 
 
+def _interval(row, name):
+    """The columns (estimate, low, high) of the interval ``name`` names in ``row``: the row's own (``name``
+    empty: estimate or ours, ci_low, ci_high), NAME with NAME_lo and NAME_hi (the sensitivity table), or a claim
+    JSON's nested NAME.estimate, NAME.ci_low and NAME.ci_high."""
+    if not name:
+        found = ("estimate" if "estimate" in row else "ours", "ci_low", "ci_high")
+    elif f"{name}.ci_low" in row:
+        found = (f"{name}.estimate", f"{name}.ci_low", f"{name}.ci_high")
+    else:
+        found = (name, f"{name}_lo", f"{name}_hi")
+    missing = [c for c in found if c not in row]
+    if missing:
+        raise DocError(f"no interval {name or 'ci'!r}: the row lacks {', '.join(missing)}")
+    return found
+
+
 def value(results, key):
     """The text a value span shows for ``key``, from the tables under ``results``."""
     source, fields, column, spec = parse(key)
@@ -208,9 +226,12 @@ def value(results, key):
         raise DocError(f"value key {key!r}: {len(rows)} rows match, want 1")
     row = rows[0]
     if column == "ci" or column.endswith("~ci"):
-        name = column[:-3] if column.endswith("~ci") else ("estimate" if "estimate" in row else "ours")
-        low, high = ("ci_low", "ci_high") if column == "ci" else (f"{name}_lo", f"{name}_hi")
+        name, low, high = _interval(row, column[:-3] if column.endswith("~ci") else "")
         return f"{_number(row[name], spec)} [{_number(row[low], spec)}, {_number(row[high], spec)}]"
+    width = re.fullmatch(r"width\((.*)\)", column)
+    if width:  # an interval's width, ci_high - ci_low
+        _, low, high = _interval(row, width[1])
+        return _number(float(row[high]) - float(row[low]), spec)
     if column not in row:
         raise DocError(f"value key {key!r}: no column {column!r}; the row has {', '.join(row)}")
     if spec == "s":
