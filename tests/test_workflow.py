@@ -3,8 +3,8 @@
 The end-to-end test runs the real pipeline (SmolLM2, kvcert-run, kvcert-claim, notebooks) on the smoke
 scale; it takes a few minutes on 2 cores. Its claims and reproduction tables must equal the committed
 reference (results/smoke-reference/) byte for byte on the reference's numeric platform (its platform.json),
-so that any change of a number is a reviewed diff of that reference; then an edit of the library must make Snakemake rerun every cell and claim, and an edit of
-README.md nothing.
+so that any change of a number is a reviewed diff of that reference; then an edit of the library must make
+Snakemake rerun every cell and claim, and an edit of README.md nothing.
 """
 
 import importlib.util

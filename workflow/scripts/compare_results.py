@@ -110,7 +110,8 @@ def choose_comparison(record: dict | None, here: dict, unknown: str = "the recor
     when ``record`` is None."""
     why = [unknown] if record is None else platform_differences(record, here)
     if not why:
-        return True, f"verify-results: this machine's numeric platform equals the record's on every component ({here}): byte for byte"
+        return True, (f"verify-results: this machine's numeric platform equals the record's on every component "
+                      f"({here}): byte for byte")
     return False, (f"verify-results: this machine's numeric platform is not proven to be the record's "
                    f"({'; '.join(why)}): verdicts, sample sizes and accuracies equal, other numbers within {TOLERANCE}")
 
