@@ -88,7 +88,9 @@ test-fast: install
 smoke: install
 	$(SNAKEMAKE) --cores $(CORES) --config scale=smoke --rerun-incomplete
 
-## After an intended change of numbers: make the fresh smoke tables the reference CI compares with.
+## After an intended change of numbers: make the fresh smoke tables the reference CI compares with, and
+## platform.json the numeric platform they were made on (kvcert.provenance.numeric_platform: machine, CPU
+## model and vector instruction sets, kernel compiler, torch's CPU capability, torch, transformers).
 smoke-reference: smoke
 	mkdir -p results/smoke-reference
 	cp results/smoke/claims.csv results/smoke/reproduction.csv results/smoke-reference/
@@ -143,10 +145,12 @@ pilot-amendment-4: install model
 ## studies; default all, about 13 hours on 2 cores: about 5 the powered study v2-full, 2 h 46 min the powered
 ## study v4-full, v3 or v4 alone about an hour). A study archived by the default scale is recomputed by its own scale (workflow/scales/<study>.yaml),
 ## the others by the default scale. The comparison (workflow/scripts/compare_results.py) is the smoke test's
-## platform rule: byte for byte when this machine's numeric platform (CPU instruction set, torch,
-## transformers) equals the one the record's cell manifests state; elsewhere the same verdicts, sample sizes
-## and accuracies, and every other number within 1e-5 relative or 1% of its row's 95% interval width. It
-## prints which comparison it made.
+## platform rule: byte for byte when this machine's numeric platform (machine, CPU model and vector instruction
+## sets, the compiler that builds the kernel, torch's CPU capability, torch, transformers) equals the one the
+## record's cell manifests state in every component; elsewhere, and for manifests that predate the CPU model,
+## the same verdicts, sample sizes and accuracies, and every other number within 1e-5 relative or 1% of its
+## row's 95% interval width. It prints which comparison it made and why (the components that differ or are
+## missing).
 VERIFY_OUT ?= results/verify
 STUDIES ?= $(shell $(BIN)/python workflow/scripts/compare_results.py --list)
 verify-results: install

@@ -149,3 +149,58 @@ def test_resume_after_a_library_edit_is_refused(tmp_path):
     assert f"delete {parts}" in last
     assert not (out_dir / "items.parquet").exists() and not (out_dir / "steps.parquet").exists()
     assert sorted(p.name for p in parts.iterdir()) == checkpoints  # nothing written, nothing removed
+
+
+# /proc/cpuinfo's first processor, as _cpuinfo reads it, on two x86 CPUs and one ARM CPU (flags shortened).
+EPYC = {"model name": "AMD EPYC 7763 64-Core Processor",
+        "flags": "fpu sse sse2 pni ssse3 fma sse4_1 sse4_2 avx f16c hypervisor smep avx2 sse4a sha_ni"}
+XEON = {"model name": "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz",
+        "flags": "fpu sse sse2 pni ssse3 fma sse4_1 sse4_2 avx f16c avx2 avx512f avx512bw avx512_vnni smep"}
+GRAVITON = {"CPU implementer": "0x41", "CPU part": "0xd40", "Features": "fp asimd evtstrm aes sve bf16 i8mm"}
+
+
+def test_cpu_model_and_isa_are_read_from_cpuinfo():
+    assert provenance.cpu_model(EPYC) == "AMD EPYC 7763 64-Core Processor"
+    assert provenance.cpu_model(GRAVITON) == "implementer 0x41 part 0xd40"
+    # only vector and floating-point instruction sets: fpu, hypervisor, smep, sha_ni round nothing
+    assert provenance.cpu_isa(EPYC) == "avx avx2 f16c fma pni sse sse2 sse4_1 sse4_2 sse4a ssse3"
+    assert provenance.cpu_isa(XEON).split()[:6] == ["avx", "avx2", "avx512_vnni", "avx512bw", "avx512f", "f16c"]
+    assert provenance.cpu_isa(GRAVITON) == "asimd bf16 fp i8mm sve"
+    assert provenance.cpu_isa({}) == "unknown"
+
+
+def test_this_machines_platform_states_every_component():
+    here = provenance.numeric_platform()
+    assert tuple(here) == provenance.PLATFORM_COMPONENTS
+    assert all(isinstance(v, str) and v for v in here.values()), here
+    here["cpu_model"] = "edited"  # a copy: the cached platform stays as measured
+    assert provenance.numeric_platform()["cpu_model"] != "edited"
+    assert provenance.platform_differences(provenance.numeric_platform(), provenance.numeric_platform()) == []
+
+
+def _platform(cpuinfo: dict, **changes) -> dict:
+    return {"machine": "x86_64", "cpu_model": provenance.cpu_model(cpuinfo), "cpu_isa": provenance.cpu_isa(cpuinfo),
+            "compiler": "c++ (Debian 12.2.0-14+deb12u1) 12.2.0", "cpu_capability": "AVX2",
+            "torch": "2.13.0+cpu", "transformers": "5.24.0", **changes}
+
+
+def test_platform_differences_name_each_differing_or_missing_component():
+    epyc = _platform(EPYC)
+    assert provenance.platform_differences(dict(epyc), epyc) == []
+    # another CPU model of the same capability (the gap the coarse platform left): not the same platform
+    other_model = _platform(EPYC, cpu_model="AMD EPYC 9654 96-Core Processor")
+    assert provenance.platform_differences(other_model, epyc) == [
+        "cpu_model: 'AMD EPYC 9654 96-Core Processor' in the record, 'AMD EPYC 7763 64-Core Processor' here"]
+    xeon = _platform(XEON, cpu_capability="AVX512")
+    assert [line.split(":")[0] for line in provenance.platform_differences(xeon, epyc)] == [
+        "cpu_model", "cpu_isa", "cpu_capability"]
+    assert provenance.platform_differences(_platform(EPYC, compiler="c++ 13.2.0"), epyc)[0].startswith("compiler:")
+    # a record of the old, coarse platform (every committed manifest): equal where it says something, yet
+    # never proven the same platform
+    coarse = {"cpu_capability": "AVX2", "torch": "2.13.0+cpu", "transformers": "5.24.0"}
+    assert provenance.platform_differences(coarse, epyc) == [
+        "machine: not recorded (here 'x86_64')",
+        "cpu_model: not recorded (here 'AMD EPYC 7763 64-Core Processor')",
+        f"cpu_isa: not recorded (here {epyc['cpu_isa']!r})",
+        "compiler: not recorded (here 'c++ (Debian 12.2.0-14+deb12u1) 12.2.0')"]
+    assert provenance.platform_differences(None, epyc) == ["the record states no numeric platform"]

@@ -142,6 +142,7 @@ def test_retained_tokens_and_bytes_follow_the_budget(cell, tables):
 def test_manifest_records_provenance(cell):
     tiny, out_dir, _ = cell
     from kvcert.models import sha256_file
+    from kvcert.provenance import numeric_platform
 
     manifest = json.loads((out_dir / "manifest.json").read_text())
     packages = manifest["packages"]
@@ -156,6 +157,8 @@ def test_manifest_records_provenance(cell):
         assert stage in wall and wall[stage] >= 0, stage
     assert wall["total"] >= max(v for k, v in wall.items() if k != "total")
     assert manifest["n_shard_items"] == N_ITEMS
+    # what make verify-results compares before it demands equal bytes
+    assert manifest["numeric_platform"] == numeric_platform()
 
 
 def test_dataset_hash_is_the_hash_of_the_items(cell, tmp_path_factory):

@@ -1,6 +1,8 @@
 """make verify-results' comparison (workflow/scripts/compare_results.py) on two small copies of the tables:
 identical passes either way, a float moved by rounding (or by a hundredth of its interval) passes only off the
-record's platform, a changed verdict or accuracy fails both, and only the named studies' rows count."""
+record's platform, a changed verdict or accuracy fails both, and only the named studies' rows count. Bytes are
+demanded only where the record states this machine's numeric platform in every component, and the script
+prints which comparison it made and why."""
 
 import importlib.util
 import json
@@ -11,6 +13,7 @@ import pandas as pd
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "results" / "smoke-reference"
 _spec = importlib.util.spec_from_file_location("compare_results", ROOT / "workflow" / "scripts" / "compare_results.py")
 compare_results = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compare_results)
@@ -115,19 +118,97 @@ def test_only_the_named_studies_count(committed, tmp_path):
         compare_results.compare_table(committed / "claims.csv", committed / "claims.csv", ["v9"], False)
 
 
-def test_the_records_platform_is_read_from_its_manifests(tmp_path):
-    def manifest(study, cell, cpu):
-        path = tmp_path / study / "cells" / cell / "shard-0" / "manifest.json"
-        path.parent.mkdir(parents=True)
-        path.write_text(json.dumps({"cpu_capability": cpu, "packages": {"torch": "2.13.0+cpu", "transformers": "5.24.0"}}))
+# Two numeric platforms as kvcert.provenance.numeric_platform states them: the same capability (AVX2), torch and
+# transformers on two CPU models, as the committed records and a rerun on another machine were.
+HERE = {"machine": "x86_64", "cpu_model": "AMD EPYC", "cpu_isa": "avx avx2 f16c fma pni sse sse2 sse4_1 sse4_2 ssse3",
+        "compiler": "c++ (Debian 12.2.0-14+deb12u1) 12.2.0", "cpu_capability": "AVX2", "torch": "2.13.0+cpu",
+        "transformers": "5.24.0"}
+OTHER_CPU = dict(HERE, cpu_model="Intel(R) Xeon(R) CPU @ 2.20GHz")
+# What every committed manifest states of the platform (written before the CPU model was recorded).
+COARSE = {"cpu_capability": "AVX2", "torch": "2.13.0+cpu", "transformers": "5.24.0"}
 
-    manifest("v3", "qa", "AVX2")
-    manifest("v3", "streaming", "AVX2")
-    assert compare_results.record_platform(tmp_path, ["v3"]) == {
-        "cpu_capability": "AVX2", "torch": "2.13.0+cpu", "transformers": "5.24.0"}
-    manifest("v2", "qa", "AVX512")
+
+def _manifest(root: Path, study: str, cell: str, platform: dict | None = None, cpu: str = "AVX2") -> None:
+    path = root / study / "cells" / cell / "shard-0" / "manifest.json"
+    path.parent.mkdir(parents=True)
+    manifest = {"cpu_capability": cpu, "packages": {"torch": "2.13.0+cpu", "transformers": "5.24.0"}}
+    path.write_text(json.dumps(manifest | ({"numeric_platform": platform} if platform else {})))
+
+
+def test_the_records_platform_is_read_from_its_manifests(tmp_path):
+    _manifest(tmp_path, "v3", "qa")
+    _manifest(tmp_path, "v3", "streaming")
+    assert compare_results.record_platform(tmp_path, ["v3"]) == COARSE  # what an old manifest states
+    _manifest(tmp_path, "v2", "qa", cpu="AVX512")
     assert compare_results.record_platform(tmp_path, ["v2", "v3"]) is None  # mixed: no byte-for-byte claim
     assert compare_results.record_platform(tmp_path, ["v1"]) is None
+    _manifest(tmp_path, "v4", "qa", HERE)
+    _manifest(tmp_path, "v4", "streaming", HERE)
+    assert compare_results.record_platform(tmp_path, ["v4"]) == HERE  # a new manifest's numeric_platform
+    _manifest(tmp_path, "v5", "qa", HERE)
+    _manifest(tmp_path, "v5", "streaming", OTHER_CPU)
+    assert len(compare_results.record_platforms(tmp_path, ["v5"])) == 2  # two CPU models: no one platform
+
+
+def test_bytes_are_demanded_only_on_the_records_platform_in_every_component():
+    byte_for_byte, line = compare_results.choose_comparison(dict(HERE), HERE)
+    assert byte_for_byte and line.endswith(": byte for byte")
+    byte_for_byte, line = compare_results.choose_comparison(OTHER_CPU, HERE)
+    assert not byte_for_byte
+    assert "(cpu_model: 'Intel(R) Xeon(R) CPU @ 2.20GHz' in the record, 'AMD EPYC' here)" in line
+    assert line.endswith(f"other numbers within {compare_results.TOLERANCE}")
+    # equal in every component it states, but it states too few: the tolerance, naming what is missing
+    byte_for_byte, line = compare_results.choose_comparison(COARSE, HERE)
+    assert not byte_for_byte and "cpu_model: not recorded (here 'AMD EPYC')" in line
+    assert "cpu_capability" not in line  # equal components are not reasons
+    assert compare_results.choose_comparison(None, HERE, "the record's cell manifests state 2 different platforms") \
+        [1].startswith("verify-results: this machine's numeric platform is not proven to be the record's (the "
+                       "record's cell manifests state 2 different platforms)")
+
+
+def _rerun_on(monkeypatch, platform: dict) -> None:
+    """This machine's platform as the script sees it (a stand-in: the decision is the script's own logic)."""
+    monkeypatch.setattr(compare_results, "numeric_platform", lambda: dict(platform))
+
+
+def test_the_script_prints_its_comparison_and_why(committed, tmp_path, monkeypatch, capsys):
+    # a rerun that moved floats by rounding only (the issue's rerun on another CPU model)
+    rounded = _write(tmp_path / "fresh", CLAIMS.replace("2.3232323232323213", "2.323232323232322"),
+                     REPRODUCTION.replace("0.9258669225", "0.9258669242"))
+    args = ["--committed", str(committed), "--fresh", str(rounded), "v3"]
+    _manifest(committed, "v3", "qa")  # a committed record's manifest: no CPU model
+    _rerun_on(monkeypatch, HERE)
+    assert compare_results.main(args) == 0
+    first, *tables = capsys.readouterr().out.splitlines()
+    assert "cpu_model: not recorded (here 'AMD EPYC')" in first and "not proven to be the record's" in first
+    assert tables == [f"verify-results: claims.csv (v3): equal, floats within {compare_results.TOLERANCE}",
+                      f"verify-results: reproduction.csv (v3): equal, floats within {compare_results.TOLERANCE}",
+                      "verify-results: accuracy.csv (v3): equal"]
+    # the record's platform from a file (the smoke reference's platform.json), on the same machine: bytes
+    record = tmp_path / "platform.json"
+    record.write_text(json.dumps(HERE))
+    assert compare_results.main([*args, "--record-platform", str(record)]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith(": byte for byte") and "claims.csv (v3): DIFFERS" in out
+    # the same file, read on another CPU model: the tolerance, and why
+    _rerun_on(monkeypatch, OTHER_CPU)
+    assert compare_results.main([*args, "--record-platform", str(record)]) == 0
+    assert "(cpu_model: 'AMD EPYC' in the record, 'Intel(R) Xeon(R) CPU @ 2.20GHz' here)" in capsys.readouterr().out
+
+
+def test_the_smoke_reference_compares_its_two_tables(tmp_path, capsys):
+    """The smoke reference holds claims.csv and reproduction.csv only; --tables names them."""
+    fresh = tmp_path / "smoke"
+    fresh.mkdir()
+    for name in ("claims.csv", "reproduction.csv"):
+        shutil.copy(REFERENCE / name, fresh / name)
+    studies = sorted(set(pd.read_csv(REFERENCE / "claims.csv")["study"]))
+    assert compare_results.main(["--committed", str(REFERENCE), "--record-platform", str(REFERENCE / "platform.json"),
+                                 "--tables", "claims.csv", "reproduction.csv", "--fresh", str(fresh), *studies]) == 0
+    out = capsys.readouterr().out.splitlines()
+    # the committed platform.json predates the CPU model: never proven this machine's platform
+    assert "cpu_model: not recorded" in out[0]
+    assert [line.split(":")[1] for line in out[1:]] == [" claims.csv (v1, v2)", " reproduction.csv (v1, v2)"]
 
 
 def test_the_committed_v3_record_compared_with_itself(tmp_path, capsys):

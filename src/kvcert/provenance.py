@@ -9,8 +9,12 @@
 - ``source_checkout()``: the git commit of the repository that holds the imported package (not of the
   working directory), and whether that package's files differ from the commit; None with a reason when
   the package is not inside a git checkout.
+- ``numeric_platform()``: what decides float rounding besides the code (CPU model and vector instruction
+  sets, compiler, torch's CPU capability, torch and transformers); ``platform_differences(record, here)``
+  says why two platforms are not proven equal (a component differs or the record lacks it).
 
-Imports nothing heavy (no torch), so the workflow can compute fingerprints while it parses.
+Imports nothing heavy at import time (numeric_platform imports torch when called), so the workflow can
+compute fingerprints while it parses.
 """
 
 from __future__ import annotations
@@ -107,15 +111,101 @@ def source_checkout(package: Path = PACKAGE) -> dict:
     return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()), "reason": None}
 
 
+# The CPU flags that name vector and floating-point instruction sets: what the compiled kernel's
+# -march=native/-mcpu=native and the CPU dispatch of torch, MKL and oneDNN choose code paths by. Other flags
+# (virtualisation, power management, security mitigations) round nothing, and a hypervisor shows or hides
+# them by its own configuration. Per field of /proc/cpuinfo: x86's "flags" ("pni" is SSE3), ARM's "Features".
+_ISA_PREFIXES = {"flags": ("sse", "ssse", "pni", "avx", "fma", "f16c", "amx", "xop"),
+                 "Features": ("fp", "asimd", "sve", "sme", "bf16", "i8mm")}
+# The components of a numeric platform, in the order messages list them.
+PLATFORM_COMPONENTS = ("machine", "cpu_model", "cpu_isa", "compiler", "cpu_capability", "torch", "transformers")
+
+
+def _cpuinfo(path: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none: not Linux)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_model(cpuinfo: dict[str, str] | None = None) -> str:
+    """The CPU's model name ("AMD EPYC 7763 64-Core Processor"; ARM: implementer and part), else
+    platform.processor(), else "unknown"."""
+    import platform
+
+    info = _cpuinfo() if cpuinfo is None else cpuinfo
+    if info.get("model name"):
+        return info["model name"]
+    if info.get("CPU implementer") or info.get("CPU part"):
+        return f"implementer {info.get('CPU implementer', '?')} part {info.get('CPU part', '?')}"
+    return platform.processor() or "unknown"
+
+
+def cpu_isa(cpuinfo: dict[str, str] | None = None) -> str:
+    """The vector and floating-point instruction sets the CPU reports, sorted and space-separated
+    ("avx avx2 f16c fma pni sse sse2 ..."), or "unknown" where /proc/cpuinfo states no flags."""
+    info = _cpuinfo() if cpuinfo is None else cpuinfo
+    found = sorted({flag for field, prefixes in _ISA_PREFIXES.items()
+                    for flag in info.get(field, "").split() if flag.startswith(prefixes)})
+    return " ".join(found) if found else "unknown"
+
+
+def compiler() -> str:
+    """The first line of ``$CXX --version`` (``c++`` without CXX: the compiler torch builds extensions with),
+    or "none" where it does not run. The kernel's code for one instruction set still differs by compiler."""
+    import os
+
+    command = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return "none"
+    first = done.stdout.strip().splitlines()[:1]
+    return first[0] if done.returncode == 0 and first else "none"
+
+
 def numeric_platform() -> dict:
-    """What decides float rounding besides the code: the machine, the CPU instruction set torch dispatches its
-    kernels to, and the torch and transformers versions. Two runs on equal platforms give equal bytes."""
+    """What decides float rounding besides the code: the machine, the CPU model and its vector instruction sets
+    (the compiled kernel is built with -march=native; torch, MKL and oneDNN dispatch by CPU), the compiler
+    that builds the kernel, the instruction set torch dispatches its own kernels to, and the torch and
+    transformers versions. Keys: PLATFORM_COMPONENTS. Two runs on equal platforms give equal bytes."""
+    return dict(_numeric_platform())
+
+
+@lru_cache(maxsize=1)
+def _numeric_platform() -> tuple[tuple[str, str], ...]:
     import platform
 
     import torch
 
-    return {"machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch": torch.__version__, "transformers": _version("transformers")}
+    return (("machine", platform.machine()), ("cpu_model", cpu_model()), ("cpu_isa", cpu_isa()),
+            ("compiler", compiler()), ("cpu_capability", torch.backends.cpu.get_cpu_capability()),
+            ("torch", torch.__version__), ("transformers", _version("transformers")))
+
+
+def platform_differences(record: dict | None, here: dict) -> list[str]:
+    """Why ``here`` is not proven to be the platform ``record`` was made on: one line per component of
+    PLATFORM_COMPONENTS that the record lacks or states otherwise (empty: the same platform, bytes must agree).
+
+    record: a numeric platform as a manifest or platform.json states it (None: none stated); here:
+    ``numeric_platform()`` of the recomputing machine. A record that states fewer components (written before
+    they were recorded) cannot be proven the same platform."""
+    if record is None:
+        return ["the record states no numeric platform"]
+    out = []
+    for key in PLATFORM_COMPONENTS:
+        if record.get(key) is None:
+            out.append(f"{key}: not recorded (here {here.get(key)!r})")
+        elif record[key] != here.get(key):
+            out.append(f"{key}: {record[key]!r} in the record, {here.get(key)!r} here")
+    return out
 
 
 def short(fingerprint: str | None) -> str:
@@ -123,4 +213,5 @@ def short(fingerprint: str | None) -> str:
     return (fingerprint or "unknown")[:12]
 
 
-__all__ = ["analysis_fingerprint", "code_fingerprint", "numeric_platform", "sha256_file", "short", "source_checkout"]
+__all__ = ["PLATFORM_COMPONENTS", "analysis_fingerprint", "code_fingerprint", "compiler", "cpu_isa", "cpu_model",
+           "numeric_platform", "platform_differences", "sha256_file", "short", "source_checkout"]

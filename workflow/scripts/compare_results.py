@@ -2,22 +2,31 @@
 
     python workflow/scripts/compare_results.py --fresh results/verify v3 [v1 ...]
     python workflow/scripts/compare_results.py --list        # the studies of workflow/scales/default.yaml
+    python workflow/scripts/compare_results.py --committed results/smoke-reference \
+        --record-platform results/smoke-reference/platform.json --tables claims.csv reproduction.csv \
+        --fresh results/smoke v1 v2                          # the smoke tables against their reference
 
-For each of claims.csv, reproduction.csv and accuracy.csv, the rows of the named studies (column ``study``)
-in ``--fresh`` are compared with those in ``--committed`` (default: results) by the smoke test's platform
-rule (tests/test_workflow.py):
+For each of claims.csv, reproduction.csv and accuracy.csv (``--tables``), the rows of the named studies
+(column ``study``) in ``--fresh`` are compared with those in ``--committed`` (default: results) by the smoke
+test's platform rule (tests/test_workflow.py):
 
 - byte for byte (the header and the studies' CSV lines) when this machine's numeric platform
-  (``kvcert.provenance.numeric_platform``: CPU instruction set, torch and transformers versions) equals the
-  record's, which every cell manifest of the studies' committed records states;
-- elsewhere (another instruction set rounds float32 differently): the same rows, every non-float column
+  (``kvcert.provenance.numeric_platform``: machine, CPU model, its vector instruction sets, the compiler that
+  builds the kernel, torch's CPU capability, torch and transformers versions) equals the record's on every
+  component. The record's platform is the one every cell manifest of the studies' committed records states
+  (or ``--record-platform``'s JSON file). Manifests written before the CPU model, instruction sets and
+  compiler were recorded state only torch's CPU capability, torch and transformers: such a record cannot be
+  proven to be this machine's platform (the compiled kernel is built with -march=native, and another CPU
+  model of the same capability rounds differently), so it is compared as below;
+- elsewhere (another CPU rounds float32 differently): the same rows, every non-float column
   equal (verdicts, agreement, sample sizes, labels), accuracy.csv equal in every column (the accuracies),
   and the other floats (estimates, interval ends, coverage, Spearman) equal within ``RTOL``/``ATOL`` or, in a
   row that states its 95% interval (``ci_low``, ``ci_high``), within ``WIDTH_FRACTION`` of the record's
   interval width, whichever is larger.
 
-It prints which comparison it made and one line per table; the exit status is 1 when any table differs
-(with the differing values) and 2 on bad input (one line naming the study, file or column).
+It prints which comparison it made and why (the platform components that differ or that the record lacks),
+then one line per table; the exit status is 1 when any table differs (with the differing values) and 2 on
+bad input (one line naming the study, file or column).
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from kvcert.provenance import numeric_platform, platform_differences
 
 TABLES = ("claims.csv", "reproduction.csv", "accuracy.csv")
 # Across CPU instruction sets (AVX2 vs AVX512) the float32 kernel sums its 64-term dot products in another
@@ -47,8 +58,6 @@ RTOL, ATOL = 1e-5, 1e-9
 WIDTH_FRACTION = 0.01
 # Tables whose floats are accuracies, equal on every platform where the same tokens are generated.
 EXACT_TABLES = ("accuracy.csv",)
-# What a cell manifest records of kvcert.provenance.numeric_platform (it does not record the machine).
-PLATFORM_KEYS = ("cpu_capability", "torch", "transformers")
 TOLERANCE = f"rtol {RTOL:g} (atol {ATOL:g}) or {WIDTH_FRACTION:g} of the row's interval width"
 SCALES = Path(__file__).resolve().parents[1] / "scales"
 
@@ -64,16 +73,47 @@ def known_studies(scales_dir: Path = SCALES) -> list[str]:
     return list(studies(load_scale("default", scales_dir)))
 
 
+def manifest_platform(manifest: dict) -> dict:
+    """The numeric platform one cell manifest states: its "numeric_platform", or, in a manifest written
+    before that was recorded, the components it does state: torch's CPU capability (top level), torch and
+    transformers (under "packages"); it lacks the machine, CPU model, instruction sets and compiler."""
+    if isinstance(manifest.get("numeric_platform"), dict):
+        return manifest["numeric_platform"]
+    packages = manifest.get("packages") or {}
+    legacy = {"cpu_capability": manifest.get("cpu_capability"), "torch": packages.get("torch"),
+              "transformers": packages.get("transformers")}
+    return {k: v for k, v in legacy.items() if v is not None}
+
+
+def record_platforms(committed: Path, studies: list[str]) -> list[dict]:
+    """The distinct numeric platforms the cell manifests of the studies' records state (one when the record
+    was made on one platform; none when there is no manifest)."""
+    seen = {}
+    for study in studies:
+        for path in sorted((committed / study / "cells").glob("*/shard-*/manifest.json")):
+            platform = manifest_platform(json.loads(path.read_text()))
+            seen.setdefault(json.dumps(platform, sort_keys=True), platform)
+    return list(seen.values())
+
+
 def record_platform(committed: Path, studies: list[str]) -> dict | None:
     """The numeric platform every cell manifest of the studies' records states, or None when the manifests
     state none or several."""
-    seen = set()
-    for study in studies:
-        for path in sorted((committed / study / "cells").glob("*/shard-*/manifest.json")):
-            manifest = json.loads(path.read_text())
-            packages = manifest.get("packages", {})
-            seen.add((manifest.get("cpu_capability"), packages.get("torch"), packages.get("transformers")))
-    return dict(zip(PLATFORM_KEYS, seen.pop())) if len(seen) == 1 else None
+    platforms = record_platforms(committed, studies)
+    return platforms[0] if len(platforms) == 1 else None
+
+
+def choose_comparison(record: dict | None, here: dict, unknown: str = "the record states no numeric platform"
+                      ) -> tuple[bool, str]:
+    """(byte_for_byte, the line saying which comparison and why). Byte for byte only where ``here`` equals
+    ``record`` on every component of kvcert.provenance.PLATFORM_COMPONENTS; ``unknown`` is the reason given
+    when ``record`` is None."""
+    why = [unknown] if record is None else platform_differences(record, here)
+    if not why:
+        return True, (f"verify-results: this machine's numeric platform equals the record's on every component "
+                      f"({here}): byte for byte")
+    return False, (f"verify-results: this machine's numeric platform is not proven to be the record's "
+                   f"({'; '.join(why)}): verdicts, sample sizes and accuracies equal, other numbers within {TOLERANCE}")
 
 
 def _study_lines(path: Path, studies: list[str]) -> tuple[str, list[str]]:
@@ -140,10 +180,11 @@ def compare_table(committed: Path, fresh: Path, studies: list[str], byte_for_byt
     return diffs
 
 
-def compare(committed: Path, fresh: Path, studies: list[str], byte_for_byte: bool) -> bool:
+def compare(committed: Path, fresh: Path, studies: list[str], byte_for_byte: bool,
+            tables: tuple[str, ...] = TABLES) -> bool:
     """Print one line per table (and its differences); True when every table agrees."""
     ok = True
-    for name in TABLES:
+    for name in tables:
         diffs = compare_table(committed / name, fresh / name, studies, byte_for_byte)
         if not diffs:
             if byte_for_byte:
@@ -168,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", type=Path, help="where the studies were recomputed (make verify-results)")
     parser.add_argument("--list", action="store_true", help="print the default scale's studies and stop")
     parser.add_argument("--check", action="store_true", help="check the study names and stop")
+    parser.add_argument("--tables", nargs="+", choices=TABLES, default=list(TABLES),
+                        help="the tables to compare (default: all three)")
+    parser.add_argument("--record-platform", type=Path,
+                        help="a JSON file stating the record's numeric platform (results/smoke-reference/"
+                             "platform.json), instead of the studies' cell manifests")
     args = parser.parse_args(argv)
     known = known_studies()
     if args.list:
@@ -183,19 +229,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.fresh is None:
         parser.error("--fresh is required")
-    from kvcert.provenance import numeric_platform
-
-    here = {k: numeric_platform()[k] for k in PLATFORM_KEYS}
-    record = record_platform(args.committed, args.studies)
-    byte_for_byte = record == here
-    if byte_for_byte:
-        print(f"verify-results: this machine's numeric platform equals the record's ({here}): byte for byte")
+    if args.record_platform is not None:
+        try:
+            record = json.loads(args.record_platform.read_text())
+        except (OSError, ValueError) as err:
+            print(f"verify-results: error: {args.record_platform}: unreadable ({type(err).__name__})", file=sys.stderr)
+            return 2
+        unknown_reason = f"{args.record_platform} states no platform"
     else:
-        print(f"verify-results: this machine's numeric platform {here} is not the record's "
-              f"({record or 'not one platform in its manifests'}): verdicts, sample sizes and accuracies equal, "
-              f"other numbers within {TOLERANCE}")
+        platforms = record_platforms(args.committed, args.studies)
+        record = platforms[0] if len(platforms) == 1 else None
+        unknown_reason = (f"the record's cell manifests state {len(platforms)} different platforms" if platforms
+                          else f"no cell manifest of {', '.join(args.studies)} under {args.committed}")
+    byte_for_byte, line = choose_comparison(record, numeric_platform(), unknown_reason)
+    print(line)
     try:
-        return 0 if compare(args.committed, args.fresh, args.studies, byte_for_byte) else 1
+        return 0 if compare(args.committed, args.fresh, args.studies, byte_for_byte, tuple(args.tables)) else 1
     except CompareError as err:
         print(f"verify-results: error: {err}", file=sys.stderr)
         return 2

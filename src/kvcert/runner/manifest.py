@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..models import ModelSpec, model_fingerprint
-from ..provenance import code_fingerprint, sha256_file, source_checkout
+from ..provenance import code_fingerprint, numeric_platform, sha256_file, source_checkout
 
 _PACKAGES = ("kvcert", "torch", "transformers", "numpy", "pandas", "pyarrow", "hydra-core", "gguf", "safetensors")
 NO_CERTIFICATE = {"path": "none", "reason": "no certificate computed (certify=false and oracle=false)"}
@@ -49,6 +49,9 @@ def build_manifest(
         "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        # everything the bytes depend on besides the code (CPU model and instruction sets, compiler, versions):
+        # make verify-results demands equal bytes only where a rerun's platform equals this on every component
+        "numeric_platform": numeric_platform(),
         "model": model_fingerprint(spec),
         "dataset_sha256": dataset_sha256,
         "n_shard_items": n_shard_items,
