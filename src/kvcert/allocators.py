@@ -108,8 +108,11 @@ def pyramid_budgets(mean_count: float, n: int, n_layers: int, window_size: float
     The formula of the paper's code, as kvpress's PyramidKVPress states it: with c = mean_count, the last
     layer keeps c / beta, the first 2c − c / beta (capped at n − window_size, the last then raised so the
     two still average c), linearly in between. Where the capped pyramid would give a layer fewer than
-    window_size or more than n slots, every layer keeps c (the uniform allocation).
+    window_size or more than n slots, every layer keeps c (the uniform allocation), and so does a single layer
+    (kvpress gives it the pyramid's top, 2c − c / beta, which breaks the total).
     """
+    if n_layers == 1:
+        return [float(mean_count)]
     low = mean_count / beta
     high = 2 * mean_count - low
     if high >= n - window_size:
@@ -117,7 +120,7 @@ def pyramid_budgets(mean_count: float, n: int, n_layers: int, window_size: float
         low = 2 * mean_count - high
     if not n >= high >= low >= window_size:
         return [float(mean_count)] * n_layers
-    step = (high - low) / (n_layers - 1) if n_layers > 1 else 0.0
+    step = (high - low) / (n_layers - 1)
     return [high - i * step for i in range(n_layers)]
 
 
