@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ..atomic import unwritable_reason, write_parquet_atomic, write_text_atomic
 from ..calibration import Calibration, apply_calibration, calibration_summary, prepare_calibration
 from ..data import Item, is_correct, load_items, score_item, shard_items
-from ..defaults import IDENTITY_KEYS, RUN, elide_defaults
+from ..defaults import ELIDED_AT_DEFAULT, IDENTITY_KEYS, RUN, elide_defaults
 from ..errors import ConfigError
 from ..generation import FULL, Prefill, decode_batch, eos_ids, item_seed, prefill, select
 from ..kernels import attention_path
@@ -55,7 +55,7 @@ def _identity(cfg: Mapping[str, Any], items: list[Item], fingerprint: str) -> di
 
     plain = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
     # the schema's knobs that change what a cell computes (a later key at its default left out, as in config.yaml)
-    config = elide_defaults({k: plain.get(k) for k in IDENTITY_KEYS})
+    config = elide_defaults({k: plain.get(k) for k in IDENTITY_KEYS if k in plain or k not in ELIDED_AT_DEFAULT})
     calibration = config.get("calibration")
     if calibration is not None and Path(str(calibration)).is_file():  # its content, not just its name
         config["calibration"] = {"path": str(calibration), "sha256": sha256_file(calibration)}
