@@ -152,3 +152,66 @@ def test_knorm_is_the_reciprocal_of_kvpress(compared):
         assert mine.shape == theirs.shape and (theirs < 0).all()
         np.testing.assert_allclose(mine.double().numpy(), -1.0 / theirs, rtol=RTOL, atol=0,
                                    err_msg=f"{model_name} layer {i}")
+
+
+# ---------------------------------------------------------------------------- budget allocators
+# AdaKV (Feng et al., 2024) and PyramidKV (Cai et al., 2024) against kvpress's AdaKVPress / PyramidKVPress
+# (tests/peers/kvpress_scores.py, its allocator block), on per-head kept counts:
+# * AdaKV: kvcert's pooled top-k design, given kvpress's own inner scores (SnapKVPress) and kvpress's per-head
+#   count int(n · (1 − ratio)), keeps per KV head exactly the number of keys AdaKVPress leaves unmasked. kvcert's
+#   own budget rounds (round(budget · n)) and keeps its sinks and recent window certain, so the test turns
+#   both off (n_sink = n_recent = 0) to compare the allocation alone.
+# * PyramidKV: kvcert.allocators.pyramid_budgets at kvpress's mean n · (1 − ratio), rounded as kvpress rounds,
+#   gives the layer's kept count PyramidKVPress returns; kvcert's allocator rounds the same pyramid at its own
+#   uniform count so that the layers' counts sum exactly to the uniform total (each within 1 of the pyramid).
+
+
+def _allocator_ratios(peer) -> list[float]:
+    ratios = sorted({float(k.split("_cr")[1].split("_")[0]) for k in peer if k.startswith("adakv_cr")})
+    assert ratios, "the peer run recorded no allocator counts"
+    return ratios
+
+
+def test_adakv_kept_counts_equal_kvpress(compared):
+    from kvcert.allocators import LayerBudget, adakv_safeguard
+    from kvcert.designs import DesignOptions, topk_design
+
+    model_name, model, ids, _, peer = compared
+    n, hk = ids.shape[-1], model.config.num_key_value_heads
+    no_certain = DesignOptions(n_sink=0, n_recent=0)
+    differs = False
+    for ratio in _allocator_ratios(peer):
+        count = max(1, int(n * (1 - ratio)))  # kvpress's compute_n_kept
+        allocation = LayerBudget(count, pooled=True, safeguard=adakv_safeguard(count, 0.2))
+        for i in range(model.config.num_hidden_layers):
+            scores = torch.from_numpy(peer[f"adakv_scores_layer{i}"])
+            theirs = peer[f"adakv_cr{ratio}_layer{i}"]
+            mine = topk_design(scores, 1 - ratio, no_certain, allocation=allocation).retained.numpy()
+            assert mine.shape == theirs.shape == (1, hk)
+            assert mine.tolist() == theirs.tolist(), f"{model_name} ratio {ratio} layer {i}"
+            assert int(mine.sum()) == hk * count and (mine >= allocation.safeguard).all()
+            differs |= len(set(mine.ravel().tolist())) > 1
+    assert differs or hk == 1, f"{model_name}: every head kept the same count: the comparison shows nothing"
+
+
+def test_pyramidkv_layer_counts_equal_kvpress(compared):
+    from kvcert.allocators import PyramidKV, pyramid_budgets
+    from kvcert.sampling import retained_count
+
+    model_name, model, ids, _, peer = compared
+    n, layers, hk = ids.shape[-1], model.config.num_hidden_layers, model.config.num_key_value_heads
+    window, beta = 64, 20  # PYRAMIDKV of the peer script
+    pyramids = 0
+    for ratio in _allocator_ratios(peer):
+        theirs = [peer[f"pyramidkv_cr{ratio}_layer{i}"] for i in range(layers)]
+        assert all(t.shape == (1, hk) and (t == t.flat[0]).all() for t in theirs)  # layer-wise: one count per layer
+        theirs = [int(t.flat[0]) for t in theirs]
+        formula = pyramid_budgets(n * (1 - ratio), n, layers, window, beta)
+        assert [round(b) for b in formula] == theirs, f"{model_name} ratio {ratio}"
+        pyramids += len(set(theirs)) > 1
+        count = retained_count(1 - ratio, n)
+        mine = [b.count for b in PyramidKV(window_size=window, beta=beta).allocate(1 - ratio, n, layers, 4, 32)]
+        assert sum(mine) == layers * count, f"{model_name} ratio {ratio}: the total differs from uniform's"
+        at_our_mean = pyramid_budgets(count, n, layers, window, beta)
+        assert max(abs(m - b) for m, b in zip(mine, at_our_mean)) < 1, f"{model_name} ratio {ratio}"
+    assert pyramids, f"{model_name}: kvpress fell back to a uniform budget at every ratio: nothing compared"

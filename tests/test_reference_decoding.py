@@ -346,3 +346,51 @@ def test_smollm2_snapkv_poisson_matches_a_float64_recomputation(smollm2):
     selections = kvcert.select(state, "snapkv", "poisson", 0.5, seed=3)
     decoded = _check_per_head(model, state, selections, "smollm2 streaming poisson", out_atol=1e-4)
     assert (decoded.steps["trace_var"] > 0).any()
+
+
+# --------------------------------------------------------------------------- budget allocators
+
+
+def _budget_bytes(model, counts: list[int]) -> int:
+    """Bytes of ``counts[layer]`` retained slots per layer summed over KV heads (counts are per layer, all heads
+    together), from the model's config: a slot of one head holds its key and value (model dtype), log π and the
+    offset (float32) and its position (int64)."""
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    return sum(counts) * (2 * head_dim * element + 4 + 4 + 8)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_allocated_retained_sets_match_a_float64_recomputation_and_keep_their_budget(arch):
+    """AdaKV and PyramidKV, both designs: the decoded output is full attention over the kept (ragged per head)
+    set in float64, and the kept bytes are the allocation's: exactly the uniform total for top-k, the sampled
+    slots for Poisson (whose expected count is that total)."""
+    _, model, _ = build(arch, seed=2, window=64)
+    context, question = prompt(41, n_context=200, n_question=6)
+    state = _prefill(model, context, question, "question_aware")
+    config = model.config.get_text_config(decoder=True)
+    layers, kv_heads, n = config.num_hidden_layers, config.num_key_value_heads, state.context_tokens
+    count = kvcert.retained_count(0.3, n)
+    uniform_bytes = _budget_bytes(model, [kv_heads * count] * layers)
+    # beta 1.5: at this short prompt the default (20) would leave the last layer fewer than its certain slots,
+    # and the pyramid falls back to the uniform allocation
+    for allocator, options in (("adakv", {"alpha_safeguard": 0.2}), ("pyramidkv", {"beta": 1.5})):
+        for design in ("topk", "poisson"):
+            selections = kvcert.select(state, "snapkv", design, 0.3, seed=4, allocator=allocator,
+                                       allocator_options=options)
+            kept = [int(s.retained.sum()) for s in selections]
+            label = f"{arch} {allocator} {design}"
+            decoded = _check_per_head(model, state, selections, label)
+            assert decoded.kept_bytes == _budget_bytes(model, kept), label
+            assert decoded.kept_bytes <= decoded.cache_bytes, label  # the padded buffers hold at least the kept
+            if design == "topk":
+                assert decoded.kept_bytes == uniform_bytes, label
+                per_head = torch.stack([s.retained[0] for s in selections])  # (layers, kv_heads)
+                if allocator == "pyramidkv":
+                    assert (per_head[0] > per_head[-1]).all(), label  # the first layer keeps more than the last
+                elif kv_heads > 1:
+                    assert bool((per_head != count).any()), label  # the heads' counts differ
+            else:  # Σπ over the pool is the uniform total (tests/test_allocators.py); one draw lies near it
+                assert 0.5 * uniform_bytes < decoded.kept_bytes < 1.5 * uniform_bytes, label
+                assert (decoded.steps["trace_var"] > 0).any(), label

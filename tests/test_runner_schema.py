@@ -39,7 +39,9 @@ def test_a_cell_is_identified_by_the_knobs_that_change_what_it_computes():
     before = {"data", "model", "policies", "designs", "budgets", "seeds", "extra_grids", "setting", "n_items", "shard",
               "n_shards", "oracle", "certify", "delta", "observation_window", "design_options", "max_context_tokens",
               "truncate", "store_steps", "policy_options", "calibration", "shard_by"}
-    assert set(defaults.IDENTITY_KEYS) == before
+    # and the keys added since, which a cell's config.yaml and identity leave out at their default
+    assert set(defaults.ELIDED_AT_DEFAULT) == {"allocator", "allocator_options"}
+    assert set(defaults.IDENTITY_KEYS) == before | set(defaults.ELIDED_AT_DEFAULT)
     assert set(defaults.KEYS) - set(defaults.IDENTITY_KEYS) == {"out_dir", "progress", "threads",
                                                                "check_calibration_prompts"}
 
@@ -69,3 +71,40 @@ def test_a_committed_config_without_the_later_keys_takes_their_defaults():
         del cfg[key]
     cell = validate(cfg)
     assert (cell.shard_by, cell.check_calibration_prompts, cell.store_steps) == ("item", True, True)
+
+
+def test_a_uniform_cell_writes_its_committed_config_byte_for_byte():
+    """The allocator keys at their default leave a cell's config.yaml (hashed by its manifest) as committed."""
+    from pathlib import Path
+
+    from kvcert.runner.cell import config_yaml
+
+    committed = sorted((Path(__file__).resolve().parents[1] / "results" / "v4" / "cells").glob("*/shard-0/config.yaml"))
+    assert committed
+    for path in committed[:3]:
+        plain = yaml.safe_load(path.read_text())
+        assert not set(plain) & set(defaults.ELIDED_AT_DEFAULT)
+        position = list(defaults.KEYS).index("allocator")  # where the composed config now holds the new keys
+        items = list(plain.items())
+        with_keys = dict(items[:position] + [("allocator", "uniform"), ("allocator_options", None)] + items[position:])
+        assert config_yaml(with_keys) == path.read_text(), path
+        assert "allocator" in config_yaml({**with_keys, "allocator": "adakv"})
+        assert validate({**plain, "out_dir": "x"}).allocator == "uniform"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("allocator=ada", "allocator='ada' is unknown; known: ['uniform', 'adakv', 'pyramidkv']"),
+    ("+allocator_options={beta: 20}", "allocator_options.beta: not an option of allocator=uniform; known: none"),
+    ("allocator=adakv", None),
+])
+def test_the_allocator_and_its_options_are_checked(override, message):
+    overrides = [override, "out_dir=x"]
+    if message is None:
+        cell = validate(compose([*overrides, "+allocator_options={alpha_safeguard: 0.5}"]))
+        assert (cell.allocator, cell.allocator_options) == ("adakv", {"alpha_safeguard": 0.5})
+        with pytest.raises(ConfigError, match="alpha_safeguard=2"):
+            validate(compose([*overrides, "+allocator_options={alpha_safeguard: 2}"]))
+        return
+    with pytest.raises(ConfigError) as err:
+        validate(compose(overrides))
+    assert str(err.value) == message

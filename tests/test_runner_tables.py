@@ -180,14 +180,16 @@ def test_dataset_hash_is_the_hash_of_the_items(cell, tmp_path_factory):
 
 
 def test_config_yaml_round_trips(cell, tables, tmp_path, tmp_path_factory):
-    """config.yaml is the composed config; running it again reproduces the item table."""
+    """config.yaml is the composed config (less the keys added since, at their default); running it again
+    reproduces the item table."""
+    from kvcert.defaults import elide_defaults
     from kvcert.runner.cell import run_cell
     from kvcert.hydra_app import compose
 
     tiny, out_dir, overrides = cell
     saved = OmegaConf.load(out_dir / "config.yaml")
     composed = compose(overrides)
-    assert OmegaConf.to_container(saved, resolve=True) == OmegaConf.to_container(composed, resolve=True)
+    assert OmegaConf.to_container(saved, resolve=True) == elide_defaults(OmegaConf.to_container(composed, resolve=True))
 
     patch = pytest.MonkeyPatch()
     patch.setenv("KVCERT_CACHE", str(shared_kvcert_cache(tmp_path_factory)))
@@ -204,3 +206,40 @@ def test_config_yaml_round_trips(cell, tables, tmp_path, tmp_path_factory):
     pd.testing.assert_frame_equal(left, right, check_exact=False, rtol=1e-5, atol=1e-6)
     again_manifest = json.loads((tmp_path / "again" / "manifest.json").read_text())
     assert again_manifest["dataset_sha256"] == json.loads((out_dir / "manifest.json").read_text())["dataset_sha256"]
+
+
+def test_an_allocator_is_recorded_only_when_it_is_not_uniform(cell, tables, tmp_path_factory):
+    """A uniform cell's files carry no allocator key or column (as before allocators existed); an AdaKV cell's
+    items name it, and their kept bytes are the budget's: per layer kv_heads · round(budget · n) slots."""
+    from kvcert.runner import cli
+    from kvcert.schema import ALLOCATOR_ITEM_COLUMNS
+
+    tiny, out_dir, overrides = cell
+    items, _ = tables
+    assert not set(ALLOCATOR_ITEM_COLUMNS) & set(items.columns)
+    assert "allocator" not in OmegaConf.load(out_dir / "config.yaml")
+    ada_dir = tmp_path_factory.mktemp("adakv") / "cell"
+    keep = [o for o in overrides if o.split("=")[0] in ("data", "data.context_tokens", "model", "model.path",
+                                                         "threads", "progress")]
+    patch = pytest.MonkeyPatch()
+    patch.setenv("KVCERT_CACHE", str(shared_kvcert_cache(tmp_path_factory)))
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main([*keep, "policies=[snapkv]", "designs=[topk,poisson]", "budgets=[0.5]", "seeds=[0]",
+                         "n_items=1", "allocator=adakv", "+allocator_options={alpha_safeguard: 0.5}",
+                         f"out_dir={ada_dir}"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+        patch.undo()
+    ada = pd.read_parquet(ada_dir / "items.parquet")
+    assert list(ada.columns[-len(ALLOCATOR_ITEM_COLUMNS):]) == ALLOCATOR_ITEM_COLUMNS
+    compressed = ada[ada["policy"] != "full"]
+    assert set(compressed["allocator"]) == {"adakv"}
+    assert (compressed["kept_bytes"] <= compressed["cache_bytes"]).all()
+    topk = compressed[compressed["design"] == "topk"].iloc[0]
+    full = ada[ada["policy"] == "full"].iloc[0]
+    # kept / full bytes = kept slots / prefix slots, and top-k keeps round(budget · n) per head on average
+    n = int(topk["context_tokens"])
+    assert topk["kept_bytes"] * n == full["full_bytes"] * max(36, round(0.5 * n))
+    saved = OmegaConf.load(ada_dir / "config.yaml")
+    assert saved.allocator == "adakv" and saved.allocator_options == {"alpha_safeguard": 0.5}

@@ -3,7 +3,8 @@
 Public API (stable): ``hajek_attention``, ``inclusion_probabilities``, ``poisson_sample``, ``certificate``,
 ``generate``, ``prefill`` / ``select`` / ``decode`` (one shared prefill, many configurations),
 ``attach`` (the scoped switch to kvcert attention), ``CompressedCache`` (storage) and its
-``CertificateRecorder`` (statistics), ``load_model``, and the registries ``POLICIES`` and ``DESIGNS``.
+``CertificateRecorder`` (statistics), ``load_model``, and the registries ``POLICIES``, ``DESIGNS`` and
+``ALLOCATORS``.
 The formulas are in docs/METHOD.md, the vocabulary in docs/GLOSSARY.md.
 
 Names are imported on first use, so that command-line tools that need no model (the claim analyses)
@@ -19,6 +20,7 @@ _EXPORTS = {
     "CompressedCache": "cache",
     "CertificateRecorder": "certificates",
     "StepRecord": "certificates",
+    "ALLOCATORS": "allocators",
     "DESIGNS": "designs",
     "DesignOptions": "designs",
     "Selection": "designs",

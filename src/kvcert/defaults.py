@@ -24,7 +24,9 @@ def knob(default: Any, help: str, **check: Any) -> Any:  # noqa: A002 - the word
     low, high, low_open: numeric bounds (``lie_in``: say "must lie in (low, high]" instead of two lines);
     known: the field takes names of a registry (kvcert.runner.config.KNOWN holds them);
     identity: False for a knob that does not change what a cell computes;
-    design_knob: the calibration factors depend on it (a calibration file records it).
+    design_knob: the calibration factors depend on it (a calibration file records it);
+    elided_at_default: a key added after committed cells: absent from a cell's config.yaml and identity while
+    it holds its default (``elide_defaults``), so a cell that does not use it is written as before.
     """
     metadata = {"help": help, **check}
     if isinstance(default, (list, dict)):
@@ -99,6 +101,11 @@ class RunConfig:
     observation_window: int = knob(16, "last prompt tokens whose queries score the cache (snapkv, tova)", low=1,
                                    design_knob=True)
     design_options: DesignKnobs = knob(DesignKnobs(), "the certainty head and the probability floor (docs/GLOSSARY.md)")
+    allocator: str = knob("uniform", "slots per (layer, KV head): uniform | adakv (heads of a layer pool their budget) "
+                          "| pyramidkv (layer-wise pyramid); kvcert.allocators", known=True, elided_at_default=True)
+    # Any, as policy_options: the options depend on the allocator (checked by kvcert.runner.config).
+    allocator_options: Any = knob(None, "the allocator's options, e.g. {alpha_safeguard: 0.2} (adakv), {beta: 20, "
+                                  "window_size: null} (pyramidkv)", elided_at_default=True)
     max_context_tokens: Optional[int] = knob(None, "prompt limit in tokens; null: the model's max_position_embeddings",
                                              low=8)
     truncate: str = knob("middle", "middle: cut the middle of the context to fit | error: refuse", known=True)
@@ -139,6 +146,15 @@ KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "default
 DESIGN_KNOBS = (*(f.name for f in dataclasses.fields(DesignKnobs) if f.metadata.get("design_knob")),
                 *sorted(f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("design_knob")))
 
+# Keys a cell's config.yaml and identity leave out while they hold their default (see ``knob``).
+ELIDED_AT_DEFAULT = tuple(f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("elided_at_default"))
+
+
+def elide_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` (a resolved run config, plain) without the ELIDED_AT_DEFAULT keys that hold their default."""
+    return {k: v for k, v in config.items() if not (k in ELIDED_AT_DEFAULT and v == getattr(RUN, k))}
+
+
 # kvcert.estimator and kvcert.calibration.apply import these two names; the values are the schema's.
 OBSERVATION_WINDOW = RUN.observation_window
 DELTA = RUN.delta
@@ -174,6 +190,6 @@ def _yaml(value: Any) -> str:
 
 
 __all__ = [
-    "CALIBRATE_KEYS", "DELTA", "DESIGN", "DESIGN_KNOBS", "IDENTITY_KEYS", "KEYS", "MISSING", "OBSERVATION_WINDOW", "RUN",
-    "CalibrateConfig", "DesignKnobs", "GridKnobs", "RunConfig", "knob", "yaml_lines",
+    "CALIBRATE_KEYS", "DELTA", "DESIGN", "DESIGN_KNOBS", "ELIDED_AT_DEFAULT", "IDENTITY_KEYS", "KEYS", "MISSING", "OBSERVATION_WINDOW", "RUN",
+    "CalibrateConfig", "DesignKnobs", "GridKnobs", "RunConfig", "elide_defaults", "knob", "yaml_lines",
 ]

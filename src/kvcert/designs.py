@@ -2,19 +2,24 @@
 
 ``topk`` keeps the sinks, the recent window and the top of the score ranking (deterministic eviction).
 ``poisson`` keeps a certainty head with π = 1 and Poisson-samples the tail with known π; the retained
-tokens carry log π so that attention can apply the Hájek offset −log π.
+tokens carry log π so that attention can apply the Hájek offset −log π. How many slots each KV head keeps
+is an allocator's ``LayerBudget`` (kvcert.allocators; by default ``retained_count(budget, n)`` per head); a
+pooled budget is ranked (top-k) or sampled (Poisson, Σπ = kv_heads · count) across the layer's KV heads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from .defaults import DESIGN
 from .estimator import sampled_slots
 from .sampling import certain_mask, inclusion_probabilities, poisson_sample, retained_count
+
+if TYPE_CHECKING:  # designs read an allocation's fields only: kvcert.allocators sits beside them, not below
+    from .allocators import LayerBudget
 
 
 @dataclass(frozen=True)
@@ -64,37 +69,68 @@ def _pack(keep: torch.Tensor, log_pi_full: torch.Tensor) -> Selection:
     return Selection(index=index, log_pi=log_pi.to(torch.float32))
 
 
-def topk_design(scores: torch.Tensor, budget: float, options: DesignOptions, generator=None, certain_top_slice=True):
+def _own_slots(ranked: torch.Tensor, certain: torch.Tensor, safeguard: int) -> torch.Tensor:
+    """(batch, kv_heads, n) bool: each head's certain slots and its ``safeguard`` top-ranked ones (a pooled
+    budget's per-head share, kept whatever the other heads rank)."""
+    own = certain.clone()
+    if safeguard > 0:
+        top = torch.where(certain, torch.full_like(ranked, float("inf")), ranked)
+        own.scatter_(-1, torch.topk(top, min(safeguard, ranked.shape[-1]), dim=-1).indices, True)
+    return own
+
+
+def topk_design(scores: torch.Tensor, budget: float, options: DesignOptions, generator=None, certain_top_slice=True,
+                allocation: LayerBudget | None = None):
     """Keep sinks, recent window and the highest scores up to round(budget·n) tokens; π = 1 everywhere.
 
-    scores: (batch, kv_heads, n); ties are broken by a seeded random jitter.
+    scores: (batch, kv_heads, n); ties are broken by a seeded random jitter. allocation: the count per head
+    instead of round(budget·n); pooled: the kv_heads · count highest across the layer's heads, each head
+    keeping its certain slots and its top ``allocation.safeguard`` (per-head counts then differ).
     """
     n = scores.shape[-1]
-    count = retained_count(budget, n, options.n_sink, options.n_recent)
+    count = allocation.count if allocation is not None else retained_count(budget, n, options.n_sink, options.n_recent)
     certain = certain_mask(n, options.n_sink, options.n_recent, scores.device).expand_as(scores)
     jitter = torch.rand(scores.shape, generator=generator, dtype=torch.float64).to(scores.device)
     ranked = scores.to(torch.float64) + 1e-9 * jitter * scores.abs().amax(-1, keepdim=True).clamp_min(1e-30)
     ranked = torch.where(certain, torch.full_like(ranked, float("inf")), ranked)
     keep = torch.zeros_like(certain)
-    keep.scatter_(-1, torch.topk(ranked, count, dim=-1).indices, True)
+    if allocation is not None and allocation.pooled:
+        b, h = scores.shape[:2]
+        ranked = torch.where(_own_slots(ranked, certain, allocation.safeguard), float("inf"), ranked)
+        flat = keep.reshape(b, h * n)
+        flat.scatter_(-1, torch.topk(ranked.reshape(b, h * n), min(h * count, h * n), dim=-1).indices, True)
+        keep = flat.reshape(b, h, n)
+    else:
+        keep.scatter_(-1, torch.topk(ranked, count, dim=-1).indices, True)
     return _pack(keep, torch.zeros(scores.shape, dtype=torch.float32, device=scores.device))
 
 
-def poisson_design(scores: torch.Tensor, budget: float, options: DesignOptions, generator=None, certain_top_slice=True):
+def poisson_design(scores: torch.Tensor, budget: float, options: DesignOptions, generator=None, certain_top_slice=True,
+                   allocation: LayerBudget | None = None):
     """Certain head with π = 1, Poisson tail with π ∝ score; Σπ = round(budget·n) per KV head.
 
-    scores: (batch, kv_heads, n) non-negative importance.
+    scores: (batch, kv_heads, n) non-negative importance. allocation: Σπ = allocation.count per head instead;
+    pooled: one pool of the layer's heads, Σπ = kv_heads · count over it, each head's certain slots and top
+    ``allocation.safeguard`` slots with π = 1, the top slice (head_fraction) and the tail across heads.
     """
     n = scores.shape[-1]
-    count = retained_count(budget, n, options.n_sink, options.n_recent)
-    pi = inclusion_probabilities(
-        scores,
-        count,
-        n_sink=options.n_sink,
-        n_recent=options.n_recent,
-        head_fraction=options.head_fraction if certain_top_slice else 0.0,
-        pi_min=options.pi_min,
-    )
+    count = allocation.count if allocation is not None else retained_count(budget, n, options.n_sink, options.n_recent)
+    head_fraction = options.head_fraction if certain_top_slice else 0.0
+    if allocation is not None and allocation.pooled:
+        b, h = scores.shape[:2]
+        certain = certain_mask(n, options.n_sink, options.n_recent, scores.device).expand_as(scores)
+        own = _own_slots(scores.to(torch.float64), certain, allocation.safeguard)
+        pi = inclusion_probabilities(scores.reshape(b, h * n), h * count, head_fraction=head_fraction,
+                                     pi_min=options.pi_min, certain=own.reshape(b, h * n)).reshape(scores.shape)
+    else:
+        pi = inclusion_probabilities(
+            scores,
+            count,
+            n_sink=options.n_sink,
+            n_recent=options.n_recent,
+            head_fraction=head_fraction,
+            pi_min=options.pi_min,
+        )
     keep = poisson_sample(pi.cpu(), generator).to(scores.device)
     return _pack(keep, torch.log(pi))
 

@@ -18,6 +18,7 @@ import torch
 
 from . import defaults
 from .attention import attach
+from .allocators import LayerBudget, get_allocator
 from .cache import CompressedCache
 from .certificates import CertificateRecorder
 from .context import AttentionContext, Observation
@@ -117,6 +118,15 @@ def prefill(
                    dict(policy_options or {}))
 
 
+def allocate(
+    state: Prefill, budget: float, allocator: str = RUN.allocator, allocator_options: dict | None = None,
+    options: DesignOptions = DesignOptions(),
+) -> list[LayerBudget]:
+    """Per layer, how many slots each KV head keeps (kvcert.allocators) for a budget fraction of the prefix."""
+    chosen = get_allocator(allocator, **(allocator_options or {}))
+    return chosen.allocate(budget, state.context_tokens, len(state.cache.layers), options.n_sink, options.n_recent)
+
+
 def select(
     state: Prefill,
     policy: str,
@@ -124,14 +134,22 @@ def select(
     budget: float,
     seed: int = 0,
     options: DesignOptions = DesignOptions(),
+    allocator: str = RUN.allocator,
+    allocator_options: dict | None = None,
 ) -> list[Selection]:
-    """Retained sets per layer for one configuration; seeds make Poisson draws reproducible."""
+    """Retained sets per layer for one configuration; seeds make Poisson draws reproducible.
+
+    allocator: how many slots each (layer, KV head) keeps (kvcert.allocators: uniform | adakv | pyramidkv),
+    with its keyword options; ``uniform`` gives every head round(budget·n).
+    """
     design_fn = get_design(design)
     certain_top_slice = get_policy(policy).certain_top_slice
     generator = torch.Generator().manual_seed(int(seed))
+    budgets = allocate(state, budget, allocator, allocator_options, options)
     return [
-        design_fn(scores, budget, options, generator=generator, certain_top_slice=certain_top_slice)
-        for scores in state.scores(policy)
+        design_fn(scores, budget, options, generator=generator, certain_top_slice=certain_top_slice,
+                  allocation=layer_budget)
+        for scores, layer_budget in zip(state.scores(policy), budgets)
     ]
 
 
@@ -142,7 +160,9 @@ class Decoded:
     token_ids: generated ids; logprobs: log-probability of each generated token (greedy);
     steps: one row per (step, layer, kv_head) over compressed attention (empty for the full cache);
     retained_tokens: mean retained prefix slots per layer and KV head; cache_bytes / full_bytes: bytes
-    of the compressed cache and of the full cache after the prefill; attention_path: which implementation
+    of the compressed cache (its slot buffers, each KV head's row padded to the layer's longest) and of the
+    full cache after the prefill; kept_bytes: bytes of the retained prefix slots alone (what a ragged layout
+    holds: equal to cache_bytes when every head keeps the same count); attention_path: which implementation
     computed the certified attention (``{"path": "kernel" | "triton" | "pytorch", "reason": ...}``; None when no
     certificate was computed).
     """
@@ -155,6 +175,7 @@ class Decoded:
     full_bytes: int
     text: str = ""
     attention_path: dict | None = None
+    kept_bytes: int = 0
 
 
 def _empty_steps() -> pd.DataFrame:
@@ -210,27 +231,31 @@ def eos_ids(model, tokenizer=None) -> set[int]:
     return ids
 
 
-def _footprint(state: Prefill, selections: list[Selection] | None) -> tuple[float, int, int]:
-    """(mean retained prefix slots per layer and KV head, compressed bytes, full bytes) of one configuration.
+def _footprint(state: Prefill, selections: list[Selection] | None) -> tuple[float, int, int, int]:
+    """(mean retained prefix slots per layer and KV head, compressed bytes, full bytes, kept bytes) of one
+    configuration.
 
-    Bytes count what the configuration holds alone: keys, values, log π, offset and positions of its padded
-    slots.
+    Bytes count what the configuration holds alone: keys, values, log π, offset and positions of its slots,
+    padded to the layer's longest head (compressed) or of the retained slots only (kept).
     """
-    retained, compressed, full = [], 0, 0
+    retained, compressed, full, kept = [], 0, 0, 0
     for i, layer in enumerate(state.cache.layers):
         h = layer.keys.shape[1]
-        per_slot = h * (layer.keys.shape[-1] * layer.keys.element_size() + layer.values.shape[-1]
-                        * layer.values.element_size() + layer.log_pi.element_size() + layer.offset.element_size()
-                        + layer.positions.element_size())
+        per_head_slot = (layer.keys.shape[-1] * layer.keys.element_size() + layer.values.shape[-1]
+                         * layer.values.element_size() + layer.log_pi.element_size() + layer.offset.element_size()
+                         + layer.positions.element_size())
+        per_slot = h * per_head_slot
         n = layer.keys.shape[-2]
         full += n * per_slot
         if selections is None:
             retained.append(float(n))
             compressed += n * per_slot
+            kept += n * per_slot
         else:
             retained.append(float(selections[i].retained.float().mean()))
             compressed += selections[i].index.shape[-1] * per_slot
-    return float(np.mean(retained)), compressed, full
+            kept += int(selections[i].retained.sum()) * per_head_slot
+    return float(np.mean(retained)), compressed, full, kept
 
 
 class Decoding:
@@ -317,13 +342,13 @@ class Decoding:
         suffix_len = self.state.suffix_ids.shape[-1]
         path = self.recorder.path.as_dict() if self.recorder is not None else None
         for r, selections in enumerate(self.configurations):
-            retained, cache_bytes, full_bytes = _footprint(self.state, selections)
+            retained, cache_bytes, full_bytes, kept_bytes = _footprint(self.state, selections)
             # Steps attending to the compressed cache: the suffix, then every generated token but the last.
             limit = suffix_len + len(self.tokens[r]) - 1
             steps = (_steps_frame(self.recorder, r, self.delta, self.randomized[r], limit) if selections is not None
                      else _empty_steps())
             out.append(Decoded(self.tokens[r], self.logprobs[r], steps, retained, cache_bytes, full_bytes,
-                               attention_path=path if selections is not None else None))
+                               attention_path=path if selections is not None else None, kept_bytes=kept_bytes))
         return out
 
 
@@ -378,6 +403,7 @@ class GenerationResult(Decoded):
     seed: int = 0
     setting: str = "question_aware"
     context_tokens: int = 0
+    allocator: str = RUN.allocator
 
 
 def generate(
@@ -403,6 +429,8 @@ def generate(
     max_context_tokens: int | None = RUN.max_context_tokens,
     truncate: str = RUN.truncate,
     calibration=None,
+    allocator: str = RUN.allocator,
+    allocator_options: dict | None = None,
 ) -> GenerationResult:
     """Generate an answer to ``question`` about ``context`` on a compressed cache, with certificates.
 
@@ -416,12 +444,16 @@ def generate(
     given; calibration: a ``kvcert.calibration.Calibration``, a path to one (``kvcert-calibrate``), or
     ``"design"`` (the data-free correction), which adds the calibrated certificate to ``steps``
     (``cert_calibrated``, and ``coverage_calibrated`` with the oracle); a file fitted on another model or
-    other design knobs raises ``CalibrationError``.
+    other design knobs raises ``CalibrationError``; allocator / allocator_options: how many slots each
+    (layer, KV head) keeps (``select``; a calibration is fitted under the uniform allocator only).
     """
     prompt = build_prompt(tokenizer, context, question, answer_prefix, setting=setting,
                           max_new_tokens=max_new_tokens, limit=model_limit(model, max_context_tokens),
                           truncate=truncate)
     full = policy == FULL
+    get_allocator(allocator, **(allocator_options or {}))  # a bad name or option is refused before the prefill
+    if calibration is not None and not full and allocator != "uniform":
+        raise ValueError(f"allocator={allocator!r}: a calibration's factors were fitted under the uniform allocator")
     if calibration is not None and not full:  # refused before anything is computed
         from .calibration import prepare_calibration
 
@@ -432,7 +464,7 @@ def generate(
     state = prefill(model, prompt.prefix_ids, prompt.suffix_ids, setting=setting,
                     observation_window=observation_window, accumulate=needs_acc, policy_options=policy_options)
     draw = seed if item_id is None else item_seed(seed, item_id)
-    selections = None if full else select(state, policy, design, budget, draw, options)
+    selections = None if full else select(state, policy, design, budget, draw, options, allocator, allocator_options)
     decoded = decode(
         model, state, selections, max_new_tokens=max_new_tokens, stop_ids=eos_ids(model, tokenizer),
         certify=certify, oracle=oracle, delta=delta, randomized=(not full and design == "poisson"),
@@ -446,5 +478,5 @@ def generate(
                                             budget=budget, setting=setting, checked=True)
     return GenerationResult(
         **fields, policy=policy, design=FULL if full else design, budget=1.0 if full else budget, seed=seed,
-        setting=setting, context_tokens=state.context_tokens,
+        setting=setting, context_tokens=state.context_tokens, allocator=allocator,
     )

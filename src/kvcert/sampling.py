@@ -67,6 +67,7 @@ def inclusion_probabilities(
     n_recent: int = DESIGN.n_recent,
     head_fraction: float = DESIGN.head_fraction,
     pi_min: float = DESIGN.pi_min,
+    certain: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inclusion probabilities π for the randomized design.
 
@@ -77,6 +78,8 @@ def inclusion_probabilities(
     count by score; the other (tail) tokens get π ∝ score, capped at 1, floored at pi_min, with Σπ over
     the row equal to the expected count. If the floor alone would exceed the tail's share, the tail is
     uniform at share/|tail|. expected_count >= n gives all ones. Returns (..., n) float32 in (0, 1].
+    certain: (..., n) bool, the slots kept with π = 1 instead of the sinks and recent window (an allocator's
+    pool: kvcert.allocators), the same number in every row; the expected count is then raised to it.
     """
     if scores.ndim == 0:
         raise ValueError("scores must have at least one dimension (..., n)")
@@ -87,13 +90,25 @@ def inclusion_probabilities(
     if not 0.0 < pi_min <= 1.0:
         raise ValueError(f"pi_min={pi_min} must lie in (0, 1]")
     n = scores.shape[-1]
-    count = max(float(expected_count), float(minimum_count(n, n_sink, n_recent)))
+    if certain is None:
+        floor = minimum_count(n, n_sink, n_recent)
+    else:
+        if certain.shape != scores.shape:
+            raise ValueError(f"certain {tuple(certain.shape)} must have the scores' shape {tuple(scores.shape)}")
+        per_row = certain.reshape(-1, n).sum(-1)
+        if bool((per_row != per_row[0]).any()):
+            raise ValueError("certain must hold the same number of slots in every row")
+        floor = int(per_row[0])
+    count = max(float(expected_count), float(floor))
     if count >= n:
         return torch.ones_like(scores, dtype=torch.float32)
 
     flat = scores.reshape(-1, n).to(torch.float64)
     rows = flat.shape[0]
-    certain = certain_mask(n, n_sink, n_recent, scores.device).expand(rows, n)
+    if certain is None:
+        certain = certain_mask(n, n_sink, n_recent, scores.device).expand(rows, n)
+    else:
+        certain = certain.reshape(rows, n)
     n_certain = int(certain[0].sum())
     n_top = int(head_fraction * (count - n_certain))
     # Top slice by score among the non-certain tokens (ties broken by position, deterministically).

@@ -36,7 +36,12 @@ STEP_INT32 = ["step", "layer", "kv_head"]
 CALIBRATED_STEP_COLUMNS = ["cert_calibrated", "coverage_calibrated"]
 CALIBRATED_ITEM_COLUMNS = ["cert_calibrated_mean", "cert_calibrated_max", "coverage_calibrated"]
 
+# Optional columns of a cell run with a non-uniform allocator (kvcert.allocators; a uniform cell's table is
+# unchanged): the allocator's name and the bytes of the retained slots alone (cache_bytes pads each KV head's
+# row to the layer's longest, and an allocator makes the heads' counts differ).
+ALLOCATOR_ITEM_COLUMNS = ["allocator", "kept_bytes"]
+
 __all__ = [
-    "CALIBRATED_ITEM_COLUMNS", "CALIBRATED_STEP_COLUMNS", "ITEM_COLUMNS", "KEY_COLUMNS", "STEP_COLUMNS",
+    "ALLOCATOR_ITEM_COLUMNS", "CALIBRATED_ITEM_COLUMNS", "CALIBRATED_STEP_COLUMNS", "ITEM_COLUMNS", "KEY_COLUMNS", "STEP_COLUMNS",
     "STEP_FLOAT32", "STEP_INT32",
 ]

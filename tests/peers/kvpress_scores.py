@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return output
 
     handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    handles += allocator_hooks(model, arrays)
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=True)
@@ -54,6 +55,44 @@ def main(argv: list[str] | None = None) -> int:
             handle.remove()
     np.savez(args.out, **arrays)
     return 0
+
+
+# ---------------------------------------------------------------------------- budget allocators
+# kvpress's AdaKVPress (over SnapKVPress) and PyramidKVPress at each compression ratio: their per-head kept counts.
+# AdaKV masks the evicted keys (module.masked_key_indices) instead of dropping them, so a head keeps the prompt's
+# keys less its masked ones; PyramidKV drops them, so a layer keeps what its compress returns. OUT.npz gains
+# ``adakv_cr{ratio}_layer{i}`` (batch, kv_heads) int64 kept counts and ``adakv_scores_layer{i}`` (batch, kv_heads, n)
+# float64, the inner press's scores they were ranked by; ``pyramidkv_cr{ratio}_layer{i}`` (batch, kv_heads) int64.
+ALLOCATOR_RATIOS = (0.25, 0.5, 0.75)
+ADAKV_INNER = {"window_size": 16, "kernel_size": 5}  # the SnapKVPress AdaKVPress pools
+ADAKV_ALPHA = 0.2
+PYRAMIDKV = {"window_size": 64, "kernel_size": 5, "beta": 20}
+
+
+def allocator_hooks(model, arrays: dict) -> list:
+    """Forward hooks on every attention module that record the allocators' kept counts in ``arrays``."""
+    from kvpress import AdaKVPress, PyramidKVPress
+
+    def hook(module, inputs, kwargs, output):
+        keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
+        batch, kv_heads, n = keys.shape[:3]
+        hidden = kwargs["hidden_states"]
+        for ratio in ALLOCATOR_RATIOS:
+            adakv = AdaKVPress(SnapKVPress(compression_ratio=ratio, **ADAKV_INNER), alpha_safeguard=ADAKV_ALPHA)
+            arrays[f"adakv_scores_layer{module.layer_idx}"] = adakv.press.score(
+                module, hidden, keys, values, None, kwargs).double().numpy()
+            adakv.compress(module, hidden, keys, values, None, kwargs)
+            batch_index, head_index, _ = module.masked_key_indices
+            masked = torch.zeros(batch, kv_heads, dtype=torch.int64)
+            masked.index_put_((batch_index, head_index), torch.ones_like(head_index), accumulate=True)
+            module.masked_key_indices = None  # the next call of this layer must not mask
+            arrays[f"adakv_cr{ratio}_layer{module.layer_idx}"] = (n - masked).numpy()
+            pyramid = PyramidKVPress(compression_ratio=ratio, **PYRAMIDKV)
+            kept_keys, _ = pyramid.compress(module, hidden, keys, values, None, kwargs)
+            arrays[f"pyramidkv_cr{ratio}_layer{module.layer_idx}"] = np.full((batch, kv_heads), kept_keys.shape[2])
+        return output
+
+    return [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
 
 
 if __name__ == "__main__":

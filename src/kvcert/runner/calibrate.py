@@ -65,6 +65,9 @@ def _run_config(cfg):
                           "compares the certificate with the true error; leave oracle=true")
     if cfg.get("certify") is False:
         raise ConfigError("certify=false: there is no certificate to calibrate; leave certify=true")
+    if cfg.get("allocator", "uniform") != "uniform":  # a calibration file does not record the allocator
+        raise ConfigError(f"allocator={cfg.get('allocator')}: a calibration is fitted under the uniform allocator; "
+                          "drop the key")
     plain = OmegaConf.to_container(cfg, resolve=False)
     for key in _OWN_KEYS:
         plain.pop(key, None)
@@ -147,6 +150,8 @@ def _fit_from_cells(cfg, options: dict):
         cell = validate(OmegaConf.create(config))
         if not config.get("oracle"):
             raise ConfigError(f"{path}: ran with oracle=false; calibration needs the true errors")
+        if cell.allocator != "uniform":
+            raise ConfigError(f"{path}: ran with allocator={cell.allocator}; a calibration is fitted under uniform")
         spec = ModelSpec.parse(config["model"])
         here = {"model": spec, **_knobs(cell)}
         if first is None:

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ..atomic import unwritable_reason, write_parquet_atomic, write_text_atomic
 from ..calibration import Calibration, apply_calibration, calibration_summary, prepare_calibration
 from ..data import Item, is_correct, load_items, score_item, shard_items
-from ..defaults import IDENTITY_KEYS
+from ..defaults import ELIDED_AT_DEFAULT, IDENTITY_KEYS, RUN, elide_defaults
 from ..errors import ConfigError
 from ..generation import FULL, Prefill, decode_batch, eos_ids, item_seed, prefill, select
 from ..kernels import attention_path
@@ -31,7 +31,7 @@ from ..models import ModelSpec, load_model
 from ..policies import get_policy
 from ..prompts import PromptIds, build_prompt, model_limit
 from ..provenance import code_fingerprint, sha256_file, short
-from ..schema import CALIBRATED_ITEM_COLUMNS
+from ..schema import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS
 from .config import CellConfig, Configuration, validate
 from .manifest import build_manifest
 from .tables import ITEM_COLUMNS, empty_step_table, logprob_summary, summarize_steps, tag_steps
@@ -54,11 +54,22 @@ def _identity(cfg: Mapping[str, Any], items: list[Item], fingerprint: str) -> di
     from omegaconf import OmegaConf
 
     plain = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
-    config = {k: plain.get(k) for k in IDENTITY_KEYS}  # the schema's knobs that change what a cell computes
+    # the schema's knobs that change what a cell computes (a later key at its default left out, as in config.yaml)
+    config = elide_defaults({k: plain.get(k) for k in IDENTITY_KEYS if k in plain or k not in ELIDED_AT_DEFAULT})
     calibration = config.get("calibration")
     if calibration is not None and Path(str(calibration)).is_file():  # its content, not just its name
         config["calibration"] = {"path": str(calibration), "sha256": sha256_file(calibration)}
     return {"config": config, "items_sha256": dataset_hash(items), "code_fingerprint": fingerprint}
+
+
+def config_yaml(cfg) -> str:
+    """A cell's config.yaml: the resolved config (an OmegaConf config or its plain dict) without the keys that
+    hold a default added after committed cells (kvcert.defaults.elide_defaults). OmegaConf.to_yaml dumps its
+    container, so a config without such keys is written byte for byte as before they existed."""
+    from omegaconf import OmegaConf
+
+    plain = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
+    return OmegaConf.to_yaml(elide_defaults(plain))
 
 
 def dataset_hash(items: list[Item]) -> str:
@@ -92,12 +103,14 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
                              policy_options=cell.policy_options)
     timings["prefill"] += time.perf_counter() - start
     stop = eos_ids(model, tokenizer)
+    allocated = cell.allocator != RUN.allocator
     rows, steps = [], []
     for group in batches(cell.configurations()):
         start = time.perf_counter()
         selections = [
             None if conf.is_full else select(
-                state, conf.policy, conf.design, conf.budget, item_seed(conf.seed, item.id), cell.options)
+                state, conf.policy, conf.design, conf.budget, item_seed(conf.seed, item.id), cell.options,
+                cell.allocator, cell.allocator_options)
             for conf in group
         ]
         decoded_group = decode_batch(
@@ -126,10 +139,13 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
             })
             if cell.calibration is not None:
                 rows[-1].update(calibration_summary(stored))
+            if allocated:  # a uniform cell's table stays as it was before allocators existed
+                rows[-1].update(allocator=cell.allocator, kept_bytes=decoded.kept_bytes)
             if len(stored) and cell.store_steps:
                 steps.append(stored)
     step_frame = pd.concat(steps, ignore_index=True) if steps else empty_step_table()
-    columns = ITEM_COLUMNS + (CALIBRATED_ITEM_COLUMNS if cell.calibration is not None else [])
+    columns = (ITEM_COLUMNS + (CALIBRATED_ITEM_COLUMNS if cell.calibration is not None else [])
+               + (ALLOCATOR_ITEM_COLUMNS if allocated else []))
     return pd.DataFrame(rows)[columns], step_frame
 
 
@@ -267,7 +283,7 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard, prompts, parts, 
                "config.yaml": out_dir / "config.yaml"}
     write_parquet_atomic(steps_frame, outputs["steps.parquet"])
     write_parquet_atomic(items_frame, outputs["items.parquet"])
-    write_text_atomic(OmegaConf.to_yaml(cfg, resolve=True), outputs["config.yaml"])
+    write_text_atomic(config_yaml(cfg), outputs["config.yaml"])
     timings["write"] += time.perf_counter() - start
     timings["total"] = time.perf_counter() - wall
     parameter = next(model.parameters())

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .. import defaults as schema
+from ..allocators import ALLOCATORS
 from ..calibration import BASES, UNITS, load_calibration
 from ..data import SHARD_BY
 from ..designs import DESIGNS, DesignOptions
@@ -21,7 +22,7 @@ from ..prompts import SETTINGS, TRUNCATE
 
 # The names a ``known`` field of the schema takes.
 KNOWN = {"policies": POLICIES, "designs": DESIGNS, "setting": SETTINGS, "shard_by": SHARD_BY, "truncate": TRUNCATE,
-         "unit": UNITS, "base": BASES}
+         "unit": UNITS, "base": BASES, "allocator": ALLOCATORS}
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,27 @@ def _policy_options(cfg: Mapping[str, Any]) -> dict:
     return out
 
 
+def _allocator_options(cfg: Mapping[str, Any], allocator: str) -> dict:
+    """``allocator_options``: {option: value} of the chosen allocator's dataclass fields."""
+    raw = cfg.get("allocator_options") or {}
+    fields = {f.name: f for f in dataclasses.fields(ALLOCATORS[allocator])}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"allocator_options={raw!r}: expected a mapping of {sorted(fields) or 'nothing'}")
+    for key, value in raw.items():
+        if key not in fields:
+            raise ConfigError(f"allocator_options.{key}: not an option of allocator={allocator}; known: "
+                              f"{sorted(fields) or 'none'}")
+        default = fields[key].default
+        kinds = (int, float) if isinstance(default, float) or default is None else (type(default),)
+        if isinstance(value, bool) or not (isinstance(value, kinds) or (value is None and default is None)):
+            raise ConfigError(f"allocator_options.{key}={value!r}: expected a number")
+    try:
+        ALLOCATORS[allocator](**raw)  # the dataclass checks its own values
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"allocator_options: {err}") from None
+    return dict(raw)
+
+
 def _extra_grids(cfg: Mapping[str, Any], seeds: tuple[int, ...]) -> tuple[Grid, ...]:
     fields = {f.name: f for f in dataclasses.fields(schema.GridKnobs)}
     hints = _hints(schema.GridKnobs)
@@ -259,7 +281,7 @@ def check_keys(schema_type: type, cfg: Mapping[str, Any], keys: tuple[str, ...])
 
 
 # Checked after every other key (in this order), or not by their type: the groups have their own loaders.
-_LATER = ("extra_grids", "policy_options", "calibration")
+_LATER = ("extra_grids", "policy_options", "allocator_options", "calibration")
 _GROUPS = ("defaults", "data", "model")
 
 
@@ -277,6 +299,10 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
         raise ConfigError(f"shard={checked['shard']}: must be < n_shards={checked['n_shards']}")
     checked["extra_grids"] = _extra_grids(cfg, checked["seeds"])
     checked["policy_options"] = _policy_options(cfg)
+    checked["allocator_options"] = _allocator_options(cfg, checked["allocator"])
+    if checked["allocator"] != schema.RUN.allocator and cfg.get("calibration") is not None:
+        raise ConfigError(f"allocator={checked['allocator']}: a calibration's factors are fitted under the uniform "
+                          "allocator; drop calibration or the allocator")
     checked["calibration"] = load_calibration(cfg.get("calibration"))
     return CellConfig(**checked)
 
