@@ -85,13 +85,44 @@ NAMES = ("Gemma 3", "Llama 3.1", "Llama-3.1", "2607.21475", "2026", "Python ≥ 
 NUMBER = re.compile(r"(?<![\w.,])[+−-]?\d[\d,]*(?:\.\d+)?(?![\w]|\.\d)")
 
 
-def parameters():
-    """Every number the locked pre-registration documents and the scales state: budgets, thresholds, margins,
-    item counts, seeds. A page may state these by hand: they are the design, not its results."""
-    found = set()
-    for path in [*(ROOT / "preregistration").glob("*.yaml"), *SCALES.glob("*.yaml")]:
-        found |= {float(n) for n in re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?", text(path))}
+def applied_yamls(study):
+    """The YAML files study ``study`` applies: the scale that made its committed results (one that writes to
+    results/ and computes the study, not one that reads it as a record) and, for a pre-registered study, that
+    version's document."""
+    found = []
+    for path in sorted(SCALES.glob("*.yaml")):
+        scale = load_scale(path.stem, SCALES)
+        spec = studies(scale).get(study)
+        computes = spec is not None and not spec.get("archived")
+        if scale.get("outdir") == "results" and (computes or study in exploratory(scale)):
+            found.append(path)
+            if computes:
+                found.append(ROOT / VERSIONS[spec["prereg"]].document)
+    assert len({p for p in found if p.parent == SCALES}) == 1, f"study {study}: want one scale that makes it"
     return found
+
+
+def yaml_numbers(document):
+    """Every number a parsed YAML document states in its keys and values (strings included: an override
+    ``n_items=610``, a rule's text), never in its comments, which the parser drops; as absolute values."""
+    if isinstance(document, dict):
+        return set().union(*map(yaml_numbers, document), *map(yaml_numbers, document.values()))
+    if isinstance(document, list):
+        return set().union(*map(yaml_numbers, document))
+    if isinstance(document, bool) or document is None:
+        return set()
+    if isinstance(document, (int, float)):
+        return {abs(float(document))}
+    return {abs(float(m[0].replace(",", ""))) for m in NUMBER.finditer(str(document))}
+
+
+def parameters(page):
+    """The numbers a page may state by hand: the design it reports, not its results. A study page's are the
+    numbers of the YAML files its study applies (its scale and its pre-registration version's document: budgets,
+    thresholds, margins, item counts, seeds); README's, those of every study with a page."""
+    study_pages = [page] if page != README else sorted(STUDY_DOCS.glob("*.md"))
+    paths = {path for p in study_pages for path in applied_yamls(p.stem)}
+    return set().union(*(yaml_numbers(yaml.safe_load(text(path))) for path in paths))
 
 
 def prose(page_text):
@@ -119,25 +150,31 @@ def test_grid_file_is_the_readmes_grid():
     assert text(RESULTS / "claims_grid.md") == grid
 
 
-# Pages whose prose still states numbers typed by hand, being converted to rendered spans; strict, so that a
-# page leaves this list the day it is clean.
-NOT_YET_RENDERED = {"v4.md"}
+# A number followed by "%", or the first of a range "55-90%": a percentage, allowed where its fraction is.
+PERCENT = re.compile(r"(?:[-–]\d+(?:\.\d+)?)?%")
 
 
-@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.xfail(
-    p.name in NOT_YET_RENDERED, reason="numbers still typed by hand", strict=True)) for p in RENDERED],
-    ids=[p.name for p in RENDERED])
+@pytest.mark.parametrize("page", RENDERED, ids=[p.name for p in RENDERED])
 def test_every_prose_number_is_rendered_or_a_parameter(page):
-    allowed = parameters()
+    allowed = parameters(page)
     body = prose(text(page))
     stray = []
     for match in NUMBER.finditer(body):
-        number = float(match[0].replace("−", "-").replace(",", ""))
-        percent = body[match.end():match.end() + 1] == "%"
-        if abs(number) in allowed or number in allowed or (percent and number / 100 in allowed):
+        number = abs(float(match[0].replace("−", "-").replace(",", "")))
+        percent = PERCENT.match(body, match.end()) is not None
+        if number in allowed or (percent and number / 100 in allowed):
             continue
         stray.append(" ".join(body[max(0, match.start() - 30):match.end() + 10].split()))
     assert not stray, f"{page.relative_to(ROOT)} states numbers by hand: " + " | ".join(stray)
+
+
+def test_a_page_may_state_only_its_own_studys_design_by_hand():
+    assert [p.relative_to(ROOT).as_posix() for p in applied_yamls("v4")] == [
+        "workflow/scales/default.yaml", "preregistration/amendment-4.yaml"]
+    assert [p.name for p in applied_yamls("sensitivity")] == ["sensitivity.yaml"]
+    document = yaml.safe_load("n: 610  # 7,796 in a comment\noverrides: [n_items=126, 'seed 9,501']\nflag: true\n")
+    assert yaml_numbers(document) == {610.0, 126.0, 9501.0}
+    assert 0.4843 not in parameters(STUDY_DOCS / "v3.md")  # amendment 4's factor is not study v3's design
 
 
 def test_grid_has_every_study_and_claim_of_the_claims_table():
@@ -290,9 +327,9 @@ def test_glossary_gives_the_codes_default_level():
 
 
 def readme_times():
-    """README's command table: (command, study, time)."""
+    """README's command table: (command, study, its cells' time from their manifests)."""
     for header, body in markdown_tables(README):
-        if header[:3] == ["command", "study", "time on 2 cores"]:
+        if header[:3] == ["command", "study", "cells' time, two at a time on 2 cores"]:
             return [(r[0], r[1], r[2]) for r in body]
     raise AssertionError("README lost its table of commands and times")
 
@@ -301,6 +338,8 @@ def test_readme_times_are_the_study_pages_times():
     listed = readme_times()
     assert {study for _, study, _ in listed} >= set(studies(load_scale("default", SCALES)))
     for command, study, time in listed:
+        # the column is the study's cells' time, as rule render_docs reads it from their manifests
+        assert time.startswith(f"<!-- value:cells study={study} minutes_on_2_cores "), (command, time)
         page = text(STUDY_DOCS / f"{study}.md")
         assert f"**{time}**" in page, f"README gives {command} {time!r}, docs/studies/{study}.md does not"
         assert command in page, f"docs/studies/{study}.md does not name {command}"

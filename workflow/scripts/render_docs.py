@@ -325,7 +325,7 @@ def main(argv=None):
     parser.add_argument("results", help="the folder of the tables (results)")
     parser.add_argument("pages", nargs="*", help="markdown pages whose values and blocks are rendered in place")
     parser.add_argument("--grid", required=True, help="the results grid as a markdown file")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # the docstring's order: pages after --grid
     try:
         write(args.results, args.pages, args.grid)
     except (OSError, ValueError) as err:
