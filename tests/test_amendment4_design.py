@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvcert.scales import load_scale
+
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = {s: ROOT / "results" / s / "claims" for s in ("v1", "v2", "v2-full", "v3")}
 
@@ -126,11 +128,14 @@ def test_the_design_scales_to_the_budget_and_keeps_c6s_floor(resize):
 
 @pytest.mark.parametrize("scale, study, design", [("default", "v4", "reproduce_90_minutes"),
                                                   ("v4-full", "v4-full", "powered")])
-def test_the_scales_are_the_locked_designs_studies_unchanged(scale, study, design):
-    """Study v4 (`make reproduce`) and v4-full (`make reproduce-v4-full`) are design.yaml's studies, copied unchanged."""
+def test_the_scales_apply_the_locked_designs_studies(scale, study, design):
+    """Study v4 (`make reproduce`) and v4-full (`make reproduce-v4-full`) reference design.yaml's studies: the file
+    names the design and copies none of its cells, and the resolved study is the locked one."""
     locked = yaml.safe_load((ROOT / "preregistration" / "amendment-4" / "design.yaml").read_text())[design]["study"]
     written = yaml.safe_load((ROOT / "workflow" / "scales" / f"{scale}.yaml").read_text())["studies"][study]
-    assert written == locked
+    assert written == {"design": {"file": "../../preregistration/amendment-4/design.yaml", "study": f"{design}.study"}}
+    resolved = load_scale(scale, ROOT / "workflow" / "scales")["studies"][study]
+    assert resolved == locked
 
 
 def test_the_default_scale_reads_the_powered_study_as_a_record():
