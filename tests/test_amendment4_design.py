@@ -106,7 +106,7 @@ def test_the_design_scales_to_the_budget_and_keeps_c6s_floor(resize):
               for k, t in zip(resize.KINDS, ts)}
     power = {"per_model": {"question_aware": 1261, "streaming": 320}}
     seeds = {"qa": 40, "streaming": 40, "oracle": 41}
-    out = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=200)
+    out = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=200, prereg=4)
     counts = out["reproduce_90_minutes"]["counts"]
     assert not out["fits"] and out["reproduce_90_minutes"]["c6_floor_kept"]
     assert counts["streaming-smollm2"] == counts["streaming-gemma3"] == 100  # the floor, split between models
@@ -119,10 +119,10 @@ def test_the_design_scales_to_the_budget_and_keeps_c6s_floor(resize):
     assert out["powered"]["study"]["prereg"] == 4
     # A floor that leaves too little (or nothing) for the question-aware cells: uniform scaling, floor dropped.
     for floor in (300, 400):
-        uniform = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=floor)["reproduce_90_minutes"]
+        uniform = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=floor, prereg=4)["reproduce_90_minutes"]
         assert not uniform["c6_floor_kept"]
         assert uniform["counts"]["streaming-smollm2"] == math.floor(320 * uniform["factor"])
-    roomy = resize.design(POPULATION, power, timing, 1e7, seeds, c6_min_items=400)
+    roomy = resize.design(POPULATION, power, timing, 1e7, seeds, c6_min_items=400, prereg=4)
     assert roomy["fits"] and roomy["reproduce_90_minutes"]["counts"] == roomy["powered"]["counts"]
 
 

@@ -23,7 +23,7 @@ def fail(message):
     raise SystemExit(1)
 
 
-CONFIG_KEYS = ("scale", "outdir", "figure_dir", "archive")
+CONFIG_KEYS = ("scale", "outdir", "figure_dir", "archive", "amendment")
 for _key in config:
     if _key not in CONFIG_KEYS:
         _close = difflib.get_close_matches(str(_key), CONFIG_KEYS, n=1)
