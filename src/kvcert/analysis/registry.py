@@ -7,8 +7,9 @@ variants (its document's ``analysis`` mapping, e.g. amendment 4's ``c5_gating: w
 analysis changes means registering one named function here (``register_variant``) and naming it in the
 amendment's document; no claims module is copied and no code branches on a version number.
 
-Bases: ``claims`` (version 1's frozen module) and ``amendment2`` (amendment 2's frozen module, scikit-learn AUCs;
-imported only when asked for). Variants: every variant of the frozen module kvcert.analysis.variants (frozen by
+Bases: ``claims`` (version 1's frozen module) and ``amendment2`` (version 1's claims with C4 and C6 taking the
+scikit-learn AUC method of kvcert.analysis.discrimination: amendment 2's analysis without its module's copies;
+scikit-learn is imported only when asked for). Variants: every variant of the frozen module kvcert.analysis.variants (frozen by
 amendment 4's lock, so it is read, never edited), and whatever later code registers.
 """
 
@@ -63,9 +64,35 @@ def _claims() -> Analysis:
 
 @register_base("amendment2")
 def _amendment2() -> Analysis:
-    from kvcert.analysis import amendment2
+    """Amendment 2's analysis, live: version 1's claims with C4 and C6 computing their AUCs by scikit-learn
+    (kvcert.analysis.discrimination). The frozen module amendment2.py stays as it was locked;
+    tests/test_discrimination.py shows this gives its claim JSONs."""
+    from kvcert.analysis import discrimination
 
-    return amendment2.REGISTRY, amendment2.run_claim
+    registry = {**claims.REGISTRY,
+                "c4": ClaimDef(discrimination.prediction("sklearn"), ("items",)),
+                "c6": ClaimDef(discrimination.attribution("sklearn"), ("items",))}
+    return registry, runner(registry)
+
+
+def runner(registry: dict[str, ClaimDef]) -> Callable[..., ClaimResult]:
+    """``run_claim`` over ``registry``: the claim's function, then the run's options recorded in ``details.run``
+    (as claims.run_claim records them)."""
+    def run_claim(claim_id: str, tables: Tables, spec: dict, conventions: dict, opts: Options) -> ClaimResult:
+        if claim_id not in registry:
+            raise AnalysisError(f"claim={claim_id!r} is not one of {sorted(registry)}")
+        result = registry[claim_id].fn(tables, spec, conventions, opts)
+        _record_run(result, spec, conventions, opts)
+        return result
+    return run_claim
+
+
+def _record_run(result: ClaimResult, spec: dict, conventions: dict, opts: Options) -> None:
+    prereg_boot = int(spec.get("test", {}).get("n_boot", conventions.get("n_boot", 2000)))
+    result.details["run"] = {
+        "scale": opts.scale, "n_boot": opts.n_boot, "seed": opts.seed, "alpha": opts.alpha,
+        "n_boot_below_preregistered": opts.n_boot < prereg_boot,
+    }
 
 
 def _frozen_variants() -> None:
@@ -104,11 +131,7 @@ def with_choices(base: Analysis, choices: dict[str, str], where: str) -> Analysi
         if claim_id not in replaced:
             return run_claim(claim_id, tables, spec, conventions, opts)
         result = replaced[claim_id].fn(tables, spec, conventions, opts)
-        prereg_boot = int(spec.get("test", {}).get("n_boot", conventions.get("n_boot", 2000)))
-        result.details["run"] = {
-            "scale": opts.scale, "n_boot": opts.n_boot, "seed": opts.seed, "alpha": opts.alpha,
-            "n_boot_below_preregistered": opts.n_boot < prereg_boot,
-        }
+        _record_run(result, spec, conventions, opts)
         result.details["analysis_variant"] = chosen[claim_id]
         return result
 
