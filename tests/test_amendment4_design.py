@@ -143,3 +143,31 @@ def test_the_default_scale_reads_the_powered_study_as_a_record():
     default = yaml.safe_load((ROOT / "workflow" / "scales" / "default.yaml").read_text())["studies"]
     assert default["v4-full"] == {"prereg": 4, "archived": True}
     assert list(default)[-2:] == ["v4", "v4-full"]  # the grid's columns: v4, then its powered design
+
+
+def test_the_scripts_driven_by_the_versions_data_recompute_amendment_4s_locked_files(tmp_path):
+    """pilot.py choose, power.py and resize_design.py, called with the methods, document and power studies that
+    amendment 4's data names (kvcert.analysis.prereg.versions, as design.smk calls them), write its locked
+    pilot.csv, population.yaml, power.yaml and design.yaml byte for byte."""
+    import subprocess
+    import sys
+
+    from kvcert.analysis import prereg
+
+    v4 = prereg.version(4, ROOT)
+    folder, scripts = v4.folder, ROOT / "workflow" / "scripts"
+    studies = [f"{s}=results/{s}/claims" for s in v4.power_studies]
+    commands = {
+        "pilot.csv": [scripts / "pilot.py", "choose", "--amendment", v4.document, "--pilot", f"{folder}/pilot.csv",
+                      "--csv", tmp_path / "pilot.csv", "--out", tmp_path / "population.yaml"],
+        "power.yaml": [scripts / "power.py", "--method", v4.power, "--amendment", v4.document, "--studies", *studies,
+                       "--pilot", f"{folder}/pilot.csv", "--population", f"{folder}/population.yaml",
+                       "--out", tmp_path / "power.yaml"],
+        "design.yaml": [scripts / "resize_design.py", "design", "--amendment", v4.document,
+                        "--population", f"{folder}/population.yaml", "--timing", f"{folder}/timing.yaml",
+                        "--power", f"{folder}/power.yaml", "--out", tmp_path / "design.yaml"],
+    }
+    for command in commands.values():
+        subprocess.run([sys.executable, *map(str, command)], cwd=ROOT, check=True, capture_output=True, text=True)
+    for name in ("pilot.csv", "population.yaml", "power.yaml", "design.yaml"):
+        assert (tmp_path / name).read_bytes() == (ROOT / folder / name).read_bytes(), name

@@ -109,4 +109,5 @@ if "amendment" in config and DESIGNED not in STAGED:
 
 rule amendment_design:
     input:
-        [f"{REPO}/{STAGED[DESIGNED].folder}/{name}" for name in ("power.yaml", "design.yaml")] if DESIGNED in STAGED else [],
+        [f"{REPO}/{STAGED[DESIGNED].folder}/{name}" for name in ("power.yaml", "design.yaml")]
+        if DESIGNED in STAGED else [],

@@ -11,8 +11,8 @@ the interval span at most ``--span`` (the C1/C2 target, 4 points), and the width
 item counts (question-aware items for C1-C5, streaming items for C6-C7). Prints YAML for the amendment.
 Uses version 1's variances only, never its verdicts.
 
-Method ``studies_span_targets`` (amendment 4's; ``version_1_span`` is the one above, amendments 2 and 3's): the largest per-item sd over every C1 and C2 component of every named study gives
-the question-aware items for a 4-point span, the same over C7's components the streaming items for C7; C6's
+Method ``studies_span_targets`` (amendment 4's; ``version_1_span`` is the one above, amendments 2 and 3's): the
+largest per-item sd over every C1 and C2 component of every named study gives the question-aware items for a 4-point span, the same over C7's components the streaming items for C7; C6's
 items come from the largest k = width^2 / (1/n_inherent + 1/n_cache_induced) over the studies and the pilot's
 stage-D class rates (the amendment's power rule, stated there in words).
 """
@@ -164,7 +164,8 @@ def studies_span_targets(args, parser) -> str:
     """Amendment 4's method: every named study's variances, the amendment's span targets and the pilot's class rates."""
     missing = [f"--{k}" for k in ("amendment", "pilot", "population") if getattr(args, k) is None]
     if missing or not args.studies:
-        parser.error(f"--method studies_span_targets needs {', '.join(missing + ([] if args.studies else ['--studies']))}")
+        missing += [] if args.studies else ["--studies"]
+        parser.error(f"--method studies_span_targets needs {', '.join(missing)}")
     pilot = _pilot()
     targets = yaml.safe_load(args.amendment.read_text())["power"]["span_targets"]
     studies = dict(item.split("=", 1) for item in args.studies)
@@ -186,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-qa", type=int)
     parser.add_argument("--n-streaming", type=int)
     parser.add_argument("--amendment", type=Path, help="studies_span_targets: its document (power.span_targets)")
-    parser.add_argument("--studies", nargs="+", default=[], help="studies_span_targets: STUDY=CLAIMS_DIR of committed studies")
+    parser.add_argument("--studies", nargs="+", default=[],
+                        help="studies_span_targets: STUDY=CLAIMS_DIR of committed studies")
     parser.add_argument("--pilot", type=Path, help="studies_span_targets: the pilot's rows (pilot.csv)")
     parser.add_argument("--population", type=Path, help="studies_span_targets: the chosen population (population.yaml)")
     parser.add_argument("--out", type=Path)

@@ -9,8 +9,9 @@ amendment's document; no claims module is copied and no code branches on a versi
 
 Bases: ``claims`` (version 1's frozen module) and ``amendment2`` (version 1's claims with C4 and C6 taking the
 scikit-learn AUC method of kvcert.analysis.discrimination: amendment 2's analysis without its module's copies;
-scikit-learn is imported only when asked for). Variants: every variant of the frozen module kvcert.analysis.variants (frozen by
-amendment 4's lock, so it is read, never edited), and whatever later code registers.
+scikit-learn is imported only when asked for). Variants: every variant of the frozen module
+kvcert.analysis.variants (frozen by amendment 4's lock, so it is read, never edited), and whatever later code
+registers.
 """
 
 from __future__ import annotations
