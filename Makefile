@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 CORES ?= 2
-# The amendment `make lock-amendment` freezes (the newest; earlier ones are locked already).
-AMENDMENT ?= 3
+# The amendment `make lock-amendment` freezes and `make pilot-amendment` designs: the newest, derived from
+# preregistration/ (kvcert-prereg newest; earlier ones are locked already).
+AMENDMENT ?= $(shell $(BIN)/kvcert-prereg newest)
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
@@ -133,12 +134,16 @@ reproduce-v3: install
 sensitivity: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=sensitivity
 
-## Amendment 4's pilot and design (preregistration/amendment-4.yaml, locked with their outputs): stages A-D per
-## model on pilot items, the rules applied (pilot.csv, population.yaml), timing cells, power and design (timing.yaml,
-## power.yaml, design.yaml). It took 1 h 40 min on 2 cores shared with other jobs, the timing cells 2.5 minutes.
-.PHONY: pilot-amendment-4
-pilot-amendment-4: install model
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete amendment_4_design
+## An amendment's pilot and design (make pilot-amendment AMENDMENT=N; default the newest): for an amendment whose
+## data names the staged pilot, stages A-D per model on pilot items, the rules applied (pilot.csv,
+## population.yaml), timing cells, power and design (timing.yaml, power.yaml, design.yaml), all under
+## preregistration/amendment-N/. Amendment 4's took 1 h 40 min on 2 cores shared with other jobs, the timing
+## cells 2.5 minutes.
+.PHONY: pilot-amendment pilot-amendment-4
+pilot-amendment: install model
+	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete amendment_design --config amendment=$(AMENDMENT)
+pilot-amendment-4:
+	$(MAKE) pilot-amendment AMENDMENT=4
 
 ## Recompute committed studies into results/verify and compare their rows of claims.csv, reproduction.csv
 ## and accuracy.csv with the committed ones: make verify-results STUDIES=v3 (any of the default scale's

@@ -86,6 +86,7 @@ def test_the_v3_scale_is_amendment_2s_design_resized_on_fresh_items():
 
 def test_amendment_3_is_locked_over_amendment_2_and_renders():
     prereg.verify_lock(ROOT, 3)
-    assert set(prereg.VERSIONS[2].files) < set(prereg.VERSIONS[3].files)
-    assert (ROOT / prereg.VERSIONS[3].rendered).read_text() == prereg.render_amendment(prereg.load_amendment(ROOT, 3), 3)
-    assert "## Timing" in (ROOT / prereg.VERSIONS[3].rendered).read_text()
+    assert set(prereg.version(2, ROOT).files) < set(prereg.version(3, ROOT).files)
+    third = prereg.version(3, ROOT)
+    assert (ROOT / third.rendered).read_text() == prereg.render_amendment(prereg.load_amendment(ROOT, 3), 3, third.document)
+    assert "## Timing" in (ROOT / third.rendered).read_text()

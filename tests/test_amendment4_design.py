@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvcert.scales import load_scale
+
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = {s: ROOT / "results" / s / "claims" for s in ("v1", "v2", "v2-full", "v3")}
 
@@ -104,7 +106,7 @@ def test_the_design_scales_to_the_budget_and_keeps_c6s_floor(resize):
               for k, t in zip(resize.KINDS, ts)}
     power = {"per_model": {"question_aware": 1261, "streaming": 320}}
     seeds = {"qa": 40, "streaming": 40, "oracle": 41}
-    out = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=200)
+    out = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=200, prereg=4)
     counts = out["reproduce_90_minutes"]["counts"]
     assert not out["fits"] and out["reproduce_90_minutes"]["c6_floor_kept"]
     assert counts["streaming-smollm2"] == counts["streaming-gemma3"] == 100  # the floor, split between models
@@ -117,20 +119,23 @@ def test_the_design_scales_to_the_budget_and_keeps_c6s_floor(resize):
     assert out["powered"]["study"]["prereg"] == 4
     # A floor that leaves too little (or nothing) for the question-aware cells: uniform scaling, floor dropped.
     for floor in (300, 400):
-        uniform = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=floor)["reproduce_90_minutes"]
+        uniform = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=floor, prereg=4)["reproduce_90_minutes"]
         assert not uniform["c6_floor_kept"]
         assert uniform["counts"]["streaming-smollm2"] == math.floor(320 * uniform["factor"])
-    roomy = resize.design(POPULATION, power, timing, 1e7, seeds, c6_min_items=400)
+    roomy = resize.design(POPULATION, power, timing, 1e7, seeds, c6_min_items=400, prereg=4)
     assert roomy["fits"] and roomy["reproduce_90_minutes"]["counts"] == roomy["powered"]["counts"]
 
 
 @pytest.mark.parametrize("scale, study, design", [("default", "v4", "reproduce_90_minutes"),
                                                   ("v4-full", "v4-full", "powered")])
-def test_the_scales_are_the_locked_designs_studies_unchanged(scale, study, design):
-    """Study v4 (`make reproduce`) and v4-full (`make reproduce-v4-full`) are design.yaml's studies, copied unchanged."""
+def test_the_scales_apply_the_locked_designs_studies(scale, study, design):
+    """Study v4 (`make reproduce`) and v4-full (`make reproduce-v4-full`) reference design.yaml's studies: the file
+    names the design and copies none of its cells, and the resolved study is the locked one."""
     locked = yaml.safe_load((ROOT / "preregistration" / "amendment-4" / "design.yaml").read_text())[design]["study"]
     written = yaml.safe_load((ROOT / "workflow" / "scales" / f"{scale}.yaml").read_text())["studies"][study]
-    assert written == locked
+    assert written == {"design": {"file": "../../preregistration/amendment-4/design.yaml", "study": f"{design}.study"}}
+    resolved = load_scale(scale, ROOT / "workflow" / "scales")["studies"][study]
+    assert resolved == locked
 
 
 def test_the_default_scale_reads_the_powered_study_as_a_record():
@@ -138,3 +143,31 @@ def test_the_default_scale_reads_the_powered_study_as_a_record():
     default = yaml.safe_load((ROOT / "workflow" / "scales" / "default.yaml").read_text())["studies"]
     assert default["v4-full"] == {"prereg": 4, "archived": True}
     assert list(default)[-2:] == ["v4", "v4-full"]  # the grid's columns: v4, then its powered design
+
+
+def test_the_scripts_driven_by_the_versions_data_recompute_amendment_4s_locked_files(tmp_path):
+    """pilot.py choose, power.py and resize_design.py, called with the methods, document and power studies that
+    amendment 4's data names (kvcert.analysis.prereg.versions, as design.smk calls them), write its locked
+    pilot.csv, population.yaml, power.yaml and design.yaml byte for byte."""
+    import subprocess
+    import sys
+
+    from kvcert.analysis import prereg
+
+    v4 = prereg.version(4, ROOT)
+    folder, scripts = v4.folder, ROOT / "workflow" / "scripts"
+    studies = [f"{s}=results/{s}/claims" for s in v4.power_studies]
+    commands = {
+        "pilot.csv": [scripts / "pilot.py", "choose", "--amendment", v4.document, "--pilot", f"{folder}/pilot.csv",
+                      "--csv", tmp_path / "pilot.csv", "--out", tmp_path / "population.yaml"],
+        "power.yaml": [scripts / "power.py", "--method", v4.power, "--amendment", v4.document, "--studies", *studies,
+                       "--pilot", f"{folder}/pilot.csv", "--population", f"{folder}/population.yaml",
+                       "--out", tmp_path / "power.yaml"],
+        "design.yaml": [scripts / "resize_design.py", "design", "--amendment", v4.document,
+                        "--population", f"{folder}/population.yaml", "--timing", f"{folder}/timing.yaml",
+                        "--power", f"{folder}/power.yaml", "--out", tmp_path / "design.yaml"],
+    }
+    for command in commands.values():
+        subprocess.run([sys.executable, *map(str, command)], cwd=ROOT, check=True, capture_output=True, text=True)
+    for name in ("pilot.csv", "population.yaml", "power.yaml", "design.yaml"):
+        assert (tmp_path / name).read_bytes() == (ROOT / folder / name).read_bytes(), name

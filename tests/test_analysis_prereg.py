@@ -38,7 +38,7 @@ def test_lock_then_verify_passes(repo):
     prereg.write_lock(repo)
     prereg.verify_lock(repo)
     lock = prereg.read_lock(repo)
-    assert lock["files"] == list(prereg.FROZEN_FILES) and "locked_at_utc" in lock
+    assert lock["files"] == list(prereg.version(1, repo).files) and "locked_at_utc" in lock
 
 
 def test_verify_refuses_after_an_edited_threshold(repo, capsys):
@@ -81,13 +81,14 @@ def test_render_check_and_find_root(repo, monkeypatch):
 
 
 def test_the_committed_locks_verify_and_the_amendment_render_is_current():
-    prereg.verify_lock(ROOT, prereg.LATEST)
-    assert (ROOT / prereg.VERSIONS[2].rendered).read_text() == prereg.render_amendment(prereg.load_amendment(ROOT, 2), 2)
+    prereg.verify_lock(ROOT, prereg.latest(ROOT))
+    second = prereg.version(2, ROOT)
+    assert (ROOT / second.rendered).read_text() == prereg.render_amendment(prereg.load_amendment(ROOT, 2), 2, second.document)
 
 
 def test_an_amendment_is_locked_on_top_of_version_1_and_verified_with_it(repo):
     shutil.copy(ROOT / "src" / "kvcert" / "analysis" / "amendment2.py", repo / "src" / "kvcert" / "analysis")
-    (repo / prereg.VERSIONS[2].lock).unlink(missing_ok=True)
+    (repo / prereg.version(2, repo).lock).unlink(missing_ok=True)
     with pytest.raises(PreregistrationError, match="prereg.lock is missing"):
         prereg.write_lock(repo, number=2)  # version 1 must be locked first
     prereg.write_lock(repo)
@@ -106,7 +107,7 @@ def test_an_amendment_is_locked_on_top_of_version_1_and_verified_with_it(repo):
 
 def test_verify_cli_checks_every_lock(repo, capsys):
     shutil.copy(ROOT / "src" / "kvcert" / "analysis" / "amendment2.py", repo / "src" / "kvcert" / "analysis")
-    (repo / prereg.VERSIONS[2].lock).unlink(missing_ok=True)
+    (repo / prereg.version(2, repo).lock).unlink(missing_ok=True)
     prereg.write_lock(repo)
     assert prereg.main(["--root", str(repo), "verify"]) == 1  # the amendment exists but is not locked
     assert "amendment-2.lock is missing" in capsys.readouterr().err

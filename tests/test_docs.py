@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvcert.analysis.prereg import VERSIONS
+from kvcert.analysis.prereg import versions
 from kvcert.scales import exploratory, load_scale, studies
 
 ROOT = Path(__file__).resolve().parents[1]
+VERSIONS = versions(ROOT)
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 STUDY_DOCS = DOCS / "studies"

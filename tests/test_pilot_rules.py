@@ -155,7 +155,7 @@ def _fake_runner(pilot_script, rules, calls):
 def test_the_stages_run_in_order_and_a_rerun_resumes_from_the_saved_rows(tmp_path, rules, pilot_script):
     calls = []
     out = tmp_path / "pilot-fake.csv"
-    rows = pilot_script.pilot_amendment_4(_fake_runner(pilot_script, rules, calls), out)
+    rows = pilot_script.pilot_staged(_fake_runner(pilot_script, rules, calls), out)
     assert out.is_file() and not out.with_name(out.name + ".partial").exists()
     stages = [r["stage"] for r in rows]
     assert stages == sorted(stages, key=lambda st: st.replace("D", "C"))  # A, then B, then C and D per variant
@@ -170,7 +170,7 @@ def test_the_stages_run_in_order_and_a_rerun_resumes_from_the_saved_rows(tmp_pat
     partial.write_text(pilot_script._csv([r for r in rows if r["stage"] == "A"], pilot_script.COLUMNS_4))
     first = len(calls)
     calls.clear()
-    again = pilot_script.pilot_amendment_4(_fake_runner(pilot_script, rules, calls), tmp_path / "pilot-fake.csv")
+    again = pilot_script.pilot_staged(_fake_runner(pilot_script, rules, calls), tmp_path / "pilot-fake.csv")
     assert pilot_script._csv(again, pilot_script.COLUMNS_4) == out.read_text()
     assert len(calls) == first - sum(r["n_items"] for r in rows if r["stage"] == "A")  # stage A was not rerun
     assert {task for task, _, _ in calls} == {"niah_multikey_2", "vt_1", "cwe_2"}

@@ -110,6 +110,13 @@ BAD_SCALES = {  # name -> (files written, the message)
     "no-base": ({"a": "substitute: {outdir: x}\n"}, "'substitute' needs a 'base'"),
     "unknown-base": ({"a": "base: nope\n"}, "scale=nope: unknown scale"),
     "own-cells": ({"a": "base: b\ncells: {}\n", "b": "outdir: x\n"}, "a.yaml: cells: a derived scale lists only"),
+    "design-missing": ({"a": "studies: {s: {design: {file: d.yml, study: x.study}}}\n"},
+                       r"a.yaml: study s: design.file=d.yml: no such file \(paths are relative to the scale file\)"),
+    "design-key": ({"a": "studies: {s: {design: {file: a.yaml, study: x.study}}}\n"},
+                   "a.yaml: study s: design.study=x.study: x is not in a.yaml"),
+    "design-and-cells": ({"a": "studies: {s: {prereg: 4, design: {file: a.yaml, study: x}}}\n"},
+                         "a.yaml: study s: design: prereg: a study that applies a design takes its prereg and cells"),
+    "design-shape": ({"a": "studies: {s: {design: d.yaml}}\n"}, "a.yaml: study s: design='d.yaml': expected a mapping"),
 }
 
 

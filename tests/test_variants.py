@@ -113,7 +113,7 @@ def test_a_version_4_study_runs_the_variant_the_amendment_names(items, tmp_path)
     """kvcert-claim with prereg_version=4 on a copy of the pre-registration (amendment 4 as committed and locked):
     C5 comes from the named variant, C1 from amendment 2's frozen module; a draft of it could not be locked."""
     root = locked_copy(tmp_path / "repo")
-    document = root / prereg.AMENDMENT_4
+    document = root / prereg.version(4, root).document
     doc = yaml.safe_load(document.read_text())
     assert not prereg.is_draft(doc)
     prereg.verify_lock(root, 4)
@@ -121,7 +121,7 @@ def test_a_version_4_study_runs_the_variant_the_amendment_names(items, tmp_path)
     draft = tmp_path / "draft"
     locked_copy(draft)
     (draft / "preregistration" / "amendment-4.lock").unlink()
-    (draft / prereg.AMENDMENT_4).write_text(yaml.safe_dump({**doc, "status": "DRAFT, not locked (a test copy)"}))
+    (draft / prereg.version(4, draft).document).write_text(yaml.safe_dump({**doc, "status": "DRAFT, not locked (a test copy)"}))
     with pytest.raises(prereg.PreregistrationError, match="is a draft"):
         prereg.write_lock(draft, number=4)
 
@@ -142,3 +142,26 @@ def test_a_version_4_study_runs_the_variant_the_amendment_names(items, tmp_path)
         doc["analysis"] = {"c5_gating": "by_task"}
         document.write_text(yaml.safe_dump(doc))
         cli.run({**base, "claim": "c5", "out": str(tmp_path / "again.json")})
+
+
+def test_the_registry_derives_each_versions_analysis_from_its_data(items):
+    """kvcert.analysis.registry: version 1 gets its frozen module itself; version 4 gets amendment 2's analysis with
+    C5 replaced by the named variant, and its C5 result is the frozen kvcert.analysis.variants plumbing's, field for
+    field (every claim of every version: tests/test_discrimination.py)."""
+    from kvcert.analysis import registry
+
+    root = prereg.find_root()
+    assert registry.analysis(prereg.version(1, root)) == (claims.REGISTRY, claims.run_claim)
+    live, run_live = registry.analysis(prereg.version(4, root))
+    frozen, run_frozen = variants.with_variants(amendment2.REGISTRY, amendment2.run_claim,
+                                                {"c5_gating": "within_model"}, "doc")
+    assert live["c5"].fn is frozen["c5"].fn is variants.escalation_within_model
+    assert sorted(live) == sorted(frozen)
+    spec, conv = _spec_conv()
+    opts = claims.options_for(spec, conv, n_boot=40, seed=3)
+    assert run_live("c5", Tables(items=items), spec, conv, opts).to_dict() == \
+        run_frozen("c5", Tables(items=items), spec, conv, opts).to_dict()
+    with pytest.raises(AnalysisError, match="x.yaml: analysis.c5_gating='by_task': unknown; known: within_model"):
+        registry.with_choices(registry.BASES["amendment2"](), {"c5_gating": "by_task"}, "x.yaml")
+    with pytest.raises(ValueError, match="replaces c5, not c4"):
+        registry.register_variant("c5_gating", "c4", "other")(variants.escalation_within_model)

@@ -127,7 +127,7 @@ def test_dry_run_is_clean(scale):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "cell" in proc.stdout + proc.stderr
     # The design rules write an amendment's locked files (its timing from wall-clock times): only an explicit
-    # `make pilot-amendment-4` may run them, never a scale's DAG on an output folder that lacks their inputs.
+    # `make pilot-amendment` may run them, never a scale's DAG on an output folder that lacks their inputs.
     design_rules = re.findall(r"^rule (\w+):", (ROOT / "workflow" / "rules" / "design.smk").read_text(), re.M)
     assert design_rules and not set(design_rules) & set(scheduled_jobs(proc)), scheduled_jobs(proc)
 

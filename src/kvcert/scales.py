@@ -10,6 +10,11 @@ or ``archived: true`` for a study whose committed results are read as they are),
 ``v<prereg>``, made of its top-level ``cells``/``matrix``. ``exploratory:`` studies list a ``base`` of
 overrides and ``variants`` (one cell each); no pre-registered claim reads them.
 
+A study that applies a locked design references it instead of copying its cells: ``design: {file: <path
+relative to the scale file>, study: <dotted key of the design's study>}``, e.g. ``{file:
+../../preregistration/amendment-4/design.yaml, study: powered.study}``. The design's study (its ``prereg`` and
+``cells``) becomes the study's; the scale adds nothing to it, so the scale runs exactly what was locked.
+
 A derived scale names a ``base`` scale and lists only ``substitute``: dotted paths into the base and
 what replaces them. A substitute that is a mapping applied to a list of ``key=value`` overrides
 replaces those keys in the list (appending the keys the list lacks); any other substitute replaces the
@@ -87,7 +92,7 @@ def _load(name: str, scales_dir: Path, seen: list[str]) -> dict[str, Any]:
     if "base" not in raw:
         if "substitute" in raw:
             raise ScaleError(f"{path.name}: 'substitute' needs a 'base' scale to substitute into")
-        return {**raw, "name": name, "claims_scale": name}
+        return {**_with_designs(raw, path), "name": name, "claims_scale": name}
     unknown = sorted(set(raw) - {"base", "substitute", "purpose"})
     if unknown:
         raise ScaleError(f"{path.name}: {unknown[0]}: a derived scale lists only base, purpose and substitute")
@@ -97,6 +102,45 @@ def _load(name: str, scales_dir: Path, seen: list[str]) -> dict[str, Any]:
     if raw.get("purpose"):
         derived["purpose"] = raw["purpose"]
     return derived
+
+
+DESIGN_KEYS = ("file", "study")
+
+
+def _with_designs(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``raw`` with every study that references a locked design (``design:``) replaced by that design's study."""
+    if not isinstance(raw.get("studies"), dict):
+        return raw
+    out = dict(raw)
+    out["studies"] = {name: _design_study(name, spec, path) if isinstance(spec, dict) and "design" in spec else spec
+                      for name, spec in raw["studies"].items()}
+    return out
+
+
+def _design_study(name: str, spec: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The study ``name`` of the scale file ``path`` as its referenced design defines it (prereg and cells)."""
+    where = f"{path.name}: study {name}: design"
+    ref = spec["design"]
+    if not isinstance(ref, dict) or sorted(ref) != sorted(DESIGN_KEYS):
+        raise ScaleError(f"{where}={ref!r}: expected a mapping of {' and '.join(DESIGN_KEYS)}")
+    extra = sorted(set(spec) - {"design"})
+    if extra:
+        raise ScaleError(f"{where}: {extra[0]}: a study that applies a design takes its prereg and cells from it")
+    design_file = (path.parent / str(ref["file"])).resolve()
+    if not design_file.is_file():
+        raise ScaleError(f"{where}.file={ref['file']}: no such file (paths are relative to the scale file)")
+    try:
+        found: Any = yaml.safe_load(design_file.read_text())
+    except yaml.YAMLError as err:
+        raise ScaleError(f"{where}.file={ref['file']}: not valid YAML ({' '.join(str(err).split())})") from None
+    for depth, part in enumerate(str(ref["study"]).split(".")):
+        if not isinstance(found, dict) or part not in found:
+            at = ".".join(str(ref["study"]).split(".")[: depth + 1])
+            raise ScaleError(f"{where}.study={ref['study']}: {at} is not in {ref['file']}")
+        found = found[part]
+    if not isinstance(found, dict) or "prereg" not in found or "cells" not in found:
+        raise ScaleError(f"{where}.study={ref['study']}: expected a study (prereg and cells) in {ref['file']}")
+    return copy.deepcopy({"prereg": found["prereg"], "cells": found["cells"]})
 
 
 def _is_override_list(value: Any) -> bool:

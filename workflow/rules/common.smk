@@ -23,7 +23,7 @@ def fail(message):
     raise SystemExit(1)
 
 
-CONFIG_KEYS = ("scale", "outdir", "figure_dir", "archive")
+CONFIG_KEYS = ("scale", "outdir", "figure_dir", "archive", "amendment")
 for _key in config:
     if _key not in CONFIG_KEYS:
         _close = difflib.get_close_matches(str(_key), CONFIG_KEYS, n=1)
@@ -94,8 +94,9 @@ CELL_DIRS = [f"{OUT}/{study}/cells/{cell}/shard-{shard}" for study, cell, shard 
 CELL_ITEMS = [f"{d}/items.parquet" for d in CELL_DIRS]
 CELL_STEPS = [f"{d}/steps.parquet" for d in CELL_DIRS]
 # No result may exist before the pre-registration is frozen (kvcert-prereg verify checks its hashes).
-from kvcert.analysis.prereg import VERSIONS
+from kvcert.analysis.prereg import versions as _prereg_versions
 
+VERSIONS = _prereg_versions(REPO)  # derived from preregistration/'s data (versions.yaml and amendment folders)
 for _version in sorted({st["prereg"] for st in STUDIES.values()}):
     if _version not in VERSIONS:
         fail(f"{_scale_file.name}: prereg={_version} is unknown; known: {', '.join(map(str, sorted(VERSIONS)))}")

@@ -1,69 +1,113 @@
 # Designing an amendment's study: the pilot, the measured cell times, the power analysis and the design, each a
-# rule over the scripts that compute them (workflow/scripts/pilot.py, resize_design.py, power.py). Not part of
-# `all`: `make pilot-amendment-4` asks for amendment_4_design. Its outputs are the amendment's files under
-# preregistration/amendment-4/, which its lock freezes once they exist; the pilot's and the timing cells' item
-# tables stay under the output folder and are never read by a claim.
+# rule over the scripts that compute them (workflow/scripts/pilot.py, resize_design.py, power.py), for every
+# amendment whose data names the staged pilot (kvcert.analysis.prereg.versions: `pilot: staged` in
+# preregistration/versions.yaml, or `pilot.method: staged` in a folder amendment's amendment.yaml). Nothing here
+# names an amendment: its document, models, methods and the studies its power analysis reads come from its data.
+# Not part of `all`: `make pilot-amendment AMENDMENT=N` asks for rule amendment_design with --config amendment=N
+# (default: the newest staged amendment). Its outputs are the amendment's files under preregistration/amendment-N/,
+# which its lock freezes once they exist; the pilot's and the timing cells' item tables stay under the output
+# folder and are never read by a claim.
 
-A4 = f"{REPO}/preregistration/amendment-4"
-# The rules' document is named, not an input: filling in its pilot results after the pilot must not rerun it.
-A4_DOC = f"{REPO}/preregistration/amendment-4.yaml"
-A4_MODELS = ("smollm2", "gemma3")
-A4_STUDIES = " ".join(f"{s}={REPO}/results/{s}/claims" for s in ("v1", "v2", "v2-full", "v3"))
-A4_SCRIPTS = f"{REPO}/workflow/scripts"
+STAGED = {n: v for n, v in VERSIONS.items() if v.pilot == "staged"}
+DESIGN_SCRIPTS = f"{REPO}/workflow/scripts"
+AMENDMENT_FOLDER = f"{REPO}/preregistration/amendment-{{n}}"
 
 
-rule pilot_amendment_4_model:
+def staged(wc):
+    """The Version of the amendment a design rule's wildcard ``n`` names."""
+    return STAGED[int(wc.n)]
+
+
+def amendment_document(wc):
+    # The rules' document is a parameter, not an input: filling in its pilot results after the pilot must not
+    # rerun it.
+    return f"{REPO}/{staged(wc).document}"
+
+
+def power_studies(wc):
+    return " ".join(f"{s}={REPO}/results/{s}/claims" for s in staged(wc).power_studies)
+
+
+wildcard_constraints:
+    n="|".join(map(str, STAGED)) or "no-amendment",
+
+
+rule pilot_amendment_model:
     input:
         model=f"{OUT}/models/{{model}}.json",
     output:
-        f"{OUT}/amendment-4-pilot/pilot-{{model}}.csv",
+        f"{OUT}/amendment-{{n}}-pilot/pilot-{{model}}.csv",
     log:
-        f"{OUT}/logs/amendment-4/pilot-{{model}}.log",
+        f"{OUT}/logs/amendment-{{n}}/pilot-{{model}}.log",
     wildcard_constraints:
-        model="|".join(A4_MODELS),
+        model="|".join(sorted({m for v in STAGED.values() for m in v.models})) or "no-model",
+    params:
+        document=amendment_document,
+        method=lambda wc: staged(wc).pilot,
     threads: 1
     shell:
-        "python {A4_SCRIPTS}/pilot.py --amendment {A4_DOC} --model {wildcards.model} --out {output} > {log} 2>&1"
+        "python {DESIGN_SCRIPTS}/pilot.py --method {params.method} --amendment {params.document} "
+        "--model {wildcards.model} --out {output} > {log} 2>&1"
 
 
-rule pilot_amendment_4:
+rule pilot_amendment:
     input:
-        rows=expand(f"{OUT}/amendment-4-pilot/pilot-{{model}}.csv", model=A4_MODELS),
+        rows=lambda wc: [f"{OUT}/amendment-{wc.n}-pilot/pilot-{m}.csv" for m in staged(wc).models],
     output:
-        rows=f"{A4}/pilot.csv",
-        population=f"{A4}/population.yaml",
+        rows=f"{AMENDMENT_FOLDER}/pilot.csv",
+        population=f"{AMENDMENT_FOLDER}/population.yaml",
     log:
-        f"{OUT}/logs/amendment-4/choose.log",
+        f"{OUT}/logs/amendment-{{n}}/choose.log",
+    params:
+        document=amendment_document,
     shell:
-        "python {A4_SCRIPTS}/pilot.py choose --amendment {A4_DOC} --pilot {input.rows} --csv {output.rows} "
-        "--out {output.population} > {log} 2>&1"
+        "python {DESIGN_SCRIPTS}/pilot.py choose --amendment {params.document} --pilot {input.rows} "
+        "--csv {output.rows} --out {output.population} > {log} 2>&1"
 
 
-rule timing_amendment_4:
+rule timing_amendment:
     input:
-        population=f"{A4}/population.yaml",
+        population=f"{AMENDMENT_FOLDER}/population.yaml",
     output:
-        f"{A4}/timing.yaml",
+        f"{AMENDMENT_FOLDER}/timing.yaml",
     log:
-        f"{OUT}/logs/amendment-4/timing.log",
+        f"{OUT}/logs/amendment-{{n}}/timing.log",
+    params:
+        document=amendment_document,
     threads: 2  # two timing cells at a time, one thread each, as `make reproduce` runs cells
     shell:
-        "python {A4_SCRIPTS}/resize_design.py time --amendment {A4_DOC} --population {input.population} "
-        "--cells {OUT}/amendment-4-timing --timing {output} --cores {threads} > {log} 2>&1"
+        "python {DESIGN_SCRIPTS}/resize_design.py time --amendment {params.document} --population {input.population} "
+        "--cells {OUT}/amendment-{wildcards.n}-timing --timing {output} --cores {threads} > {log} 2>&1"
 
 
-rule amendment_4_design:
+rule design_amendment:
     input:
-        rows=f"{A4}/pilot.csv",
-        population=f"{A4}/population.yaml",
-        timing=f"{A4}/timing.yaml",
+        rows=f"{AMENDMENT_FOLDER}/pilot.csv",
+        population=f"{AMENDMENT_FOLDER}/population.yaml",
+        timing=f"{AMENDMENT_FOLDER}/timing.yaml",
     output:
-        power=f"{A4}/power.yaml",
-        design=f"{A4}/design.yaml",
+        power=f"{AMENDMENT_FOLDER}/power.yaml",
+        design=f"{AMENDMENT_FOLDER}/design.yaml",
     log:
-        f"{OUT}/logs/amendment-4/design.log",
+        f"{OUT}/logs/amendment-{{n}}/design.log",
+    params:
+        document=amendment_document,
+        method=lambda wc: staged(wc).power,
+        studies=power_studies,
     shell:
-        "(python {A4_SCRIPTS}/power.py --amendment {A4_DOC} --studies {A4_STUDIES} --pilot {input.rows} "
-        "--population {input.population} --out {output.power} && "
-        "python {A4_SCRIPTS}/resize_design.py design --amendment {A4_DOC} --population {input.population} "
+        "(python {DESIGN_SCRIPTS}/power.py --method {params.method} --amendment {params.document} "
+        "--studies {params.studies} --pilot {input.rows} --population {input.population} --out {output.power} && "
+        "python {DESIGN_SCRIPTS}/resize_design.py design --amendment {params.document} --population {input.population} "
         "--timing {input.timing} --power {output.power} --out {output.design}) > {log} 2>&1"
+
+
+DESIGNED = int(config.get("amendment", max(STAGED, default=0)))
+if "amendment" in config and DESIGNED not in STAGED:
+    fail(f"--config amendment={config['amendment']}: not an amendment with a staged pilot; known: "
+         f"{', '.join(map(str, sorted(STAGED))) or 'none'}")
+
+
+rule amendment_design:
+    input:
+        [f"{REPO}/{STAGED[DESIGNED].folder}/{name}" for name in ("power.yaml", "design.yaml")]
+        if DESIGNED in STAGED else [],

@@ -1,14 +1,15 @@
 """The pilot of a pre-registration amendment: run its stages on pilot items and apply its rules.
 
-    python workflow/scripts/pilot.py --amendment preregistration/amendment-4.yaml --model smollm2 --out pilot-smollm2.csv
+    python workflow/scripts/pilot.py --method staged --amendment preregistration/amendment-4.yaml --model smollm2 --out pilot-smollm2.csv
     python workflow/scripts/pilot.py choose --amendment preregistration/amendment-4.yaml \
         --pilot pilot-smollm2.csv pilot-gemma3.csv --csv pilot.csv --out population.yaml
 
-Amendment 2 (``pilot.families`` without ``stage_a``): full-cache accuracy of each family's variants in order,
+The method is named by the amendment's data (``--method``, from kvcert.analysis.prereg.Version.pilot), not by
+its number. Method ``threshold`` (amendment 2's; ``pilot.families`` and ``pilot.threshold``): full-cache accuracy of each family's variants in order,
 curtailed as soon as a variant can no longer reach ``pilot.threshold``; a family stops at its first passing
 variant (``--round 2``: the variants of ``pilot.round_2``).
 
-Amendment 4 (``pilot.stage_a`` .. ``stage_d``), one model per process: stage A, full-cache accuracy of every
+Method ``staged`` (amendment 4's; ``pilot.stage_a`` .. ``stage_d``), one model per process: stage A, full-cache accuracy of every
 variant, curtailed once its band is out of reach; stage B, SnapKV top-k at 50% over the window x kernel grid on
 the stage-B tasks; stage C, top-k and Poisson at 25% (question-aware) at the chosen pair; stage D, the streaming
 full cache and Poisson at 25% at the chosen pair. The decisions between stages are the amendment's rules
@@ -52,7 +53,7 @@ def _label(variant) -> str:
     return variant if isinstance(variant, str) else variant.get("label") or variant["name"]
 
 
-# --- the rules of amendment 4 (pure functions of the pilot's rows) -----------------------------------------------
+# --- the staged pilot's rules (amendment 4's; pure functions of the pilot's rows) -----------------------------------
 
 
 def variants_in_order(pilot: dict) -> list[tuple[str, dict]]:
@@ -327,7 +328,7 @@ def _say(row: dict) -> None:
     print(", ".join(f"{k}={row[k]}" for k in COLUMNS_4), file=sys.stderr, flush=True)
 
 
-def pilot_amendment_4(runner: Runner, out: Path) -> list[dict]:
+def pilot_staged(runner: Runner, out: Path) -> list[dict]:
     """Stages A-D for one model. Rows are saved after every variant to ``<out>.partial``, and a rerun reuses the
     rows found there (the stages are deterministic: a resumed pilot writes what an uninterrupted one would);
     ``out`` is written at the end and the partial file removed."""
@@ -379,7 +380,7 @@ def read_rows(paths: list[Path]) -> list[dict]:
     return rows
 
 
-# --- amendment 2 ----------------------------------------------------------------------------------------------------
+# --- the threshold pilot (amendment 2's method) -----------------------------------------------------------------
 
 
 def run_variant(model, tokenizer, variant, pilot: dict) -> dict:
@@ -416,7 +417,7 @@ def run_variant(model, tokenizer, variant, pilot: dict) -> dict:
             "cpu_s_per_item": round(cpu / run, 3), "prompt_tokens_mean": round(sum(tokens) / len(tokens), 1)}
 
 
-def pilot_amendment_2(args, pilot: dict) -> None:
+def pilot_threshold(args, pilot: dict) -> None:
     import torch
 
     import kvcert
@@ -451,28 +452,37 @@ def smoke_pilot(pilot: dict) -> dict:
     return out
 
 
+def staged_pilot(args, pilot: dict) -> None:
+    """Stages A-D on one model (amendment 4's method), or its smoke version (``--smoke``)."""
+    pilot_staged(Runner(args.model, smoke_pilot(pilot) if args.smoke else pilot, args.threads), args.out)
+
+
+# The pilot methods, by the name a version's data gives (kvcert.analysis.prereg.Version.pilot): `threshold`
+# (amendment 2: variants in order until one passes a threshold) and `staged` (amendment 4: stages A-D).
+PILOTS = {"threshold": pilot_threshold, "staged": staged_pilot}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["choose"]:
         return choose_main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", required=True, choices=sorted(PILOTS),
+                        help="the amendment's pilot method, as its data names it (preregistration/versions.yaml "
+                             "or its amendment.yaml's pilot.method)")
     parser.add_argument("--amendment", type=Path, required=True)
     parser.add_argument("--model", required=True, help="a bundled model name (smollm2, gemma3) or model spec")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--round", type=int, default=1, help="amendment 2 only; 2: the variants of pilot.round_2")
-    parser.add_argument("--smoke", action="store_true", help="amendment 4: 2 items of one variant, bands open")
+    parser.add_argument("--round", type=int, default=1, help="threshold: 2 runs the variants of pilot.round_2")
+    parser.add_argument("--smoke", action="store_true", help="staged: 2 items of one variant, bands open")
     args = parser.parse_args(argv)
-    pilot = yaml.safe_load(args.amendment.read_text())["pilot"]
-    if "stage_a" not in pilot:
-        pilot_amendment_2(args, pilot)
-        return 0
-    pilot_amendment_4(Runner(args.model, smoke_pilot(pilot) if args.smoke else pilot, args.threads), args.out)
+    PILOTS[args.method](args, yaml.safe_load(args.amendment.read_text())["pilot"])
     return 0
 
 
 def choose_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description="apply amendment 4's rules to its pilot rows")
+    parser = argparse.ArgumentParser(description="apply a staged pilot's rules to its rows")
     parser.add_argument("--amendment", type=Path, required=True)
     parser.add_argument("--pilot", type=Path, nargs="+", required=True, help="the per-model pilot CSV files")
     parser.add_argument("--csv", type=Path, required=True, help="all rows, one file (the amendment's pilot.csv)")

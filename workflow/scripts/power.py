@@ -1,7 +1,7 @@
 """The power analysis of a pre-registration amendment, from committed studies' bootstrap intervals.
 
-    python workflow/scripts/power.py --v1-claims results/v1/claims --n-qa 700 --n-streaming 600
-    python workflow/scripts/power.py --amendment preregistration/amendment-4.yaml \
+    python workflow/scripts/power.py --method version_1_span --v1-claims results/v1/claims --n-qa 700 --n-streaming 600
+    python workflow/scripts/power.py --method studies_span_targets --amendment preregistration/amendment-4.yaml \
         --studies v1=results/v1/claims v2=results/v2/claims v2-full=results/v2-full/claims v3=results/v3/claims \
         --pilot preregistration/amendment-4/pilot.csv --population preregistration/amendment-4/population.yaml
 
@@ -11,8 +11,8 @@ the interval span at most ``--span`` (the C1/C2 target, 4 points), and the width
 item counts (question-aware items for C1-C5, streaming items for C6-C7). Prints YAML for the amendment.
 Uses version 1's variances only, never its verdicts.
 
-Amendment 4 (``--amendment``): the largest per-item sd over every C1 and C2 component of every named study gives
-the question-aware items for a 4-point span, the same over C7's components the streaming items for C7; C6's
+Method ``studies_span_targets`` (amendment 4's; ``version_1_span`` is the one above, amendments 2 and 3's): the
+largest per-item sd over every C1 and C2 component of every named study gives the question-aware items for a 4-point span, the same over C7's components the streaming items for C7; C6's
 items come from the largest k = width^2 / (1/n_inherent + 1/n_cache_induced) over the studies and the pilot's
 stage-D class rates (the amendment's power rule, stated there in words).
 """
@@ -153,29 +153,47 @@ def amendment4(claims_dirs: dict[str, Path], rows: list[dict], population: dict,
                           "streaming": math.ceil(n_streaming / len(population["models"]))}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--v1-claims", type=Path, help="amendments 2 and 3: version 1's claims folder")
-    parser.add_argument("--span", type=float, default=4.0)
-    parser.add_argument("--n-qa", type=int)
-    parser.add_argument("--n-streaming", type=int)
-    parser.add_argument("--amendment", type=Path, help="amendment 4: its document (power.span_targets)")
-    parser.add_argument("--studies", nargs="+", default=[], help="amendment 4: STUDY=CLAIMS_DIR of committed studies")
-    parser.add_argument("--pilot", type=Path, help="amendment 4: the pilot's rows (pilot.csv)")
-    parser.add_argument("--population", type=Path, help="amendment 4: the chosen population (population.yaml)")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-    if args.amendment is None:
-        if args.v1_claims is None or args.n_qa is None or args.n_streaming is None:
-            parser.error("--v1-claims, --n-qa and --n-streaming are required without --amendment")
-        print(yaml.safe_dump(analysis(args.v1_claims, args.span, args.n_qa, args.n_streaming), sort_keys=False, width=110))
-        return 0
+def version_1_span(args, parser) -> str:
+    """Amendments 2 and 3's method: version 1's variances at planned item counts."""
+    if args.v1_claims is None or args.n_qa is None or args.n_streaming is None:
+        parser.error("--method version_1_span needs --v1-claims, --n-qa and --n-streaming")
+    return yaml.safe_dump(analysis(args.v1_claims, args.span, args.n_qa, args.n_streaming), sort_keys=False, width=110)
+
+
+def studies_span_targets(args, parser) -> str:
+    """Amendment 4's method: every named study's variances, the amendment's span targets and the pilot's class rates."""
+    missing = [f"--{k}" for k in ("amendment", "pilot", "population") if getattr(args, k) is None]
+    if missing or not args.studies:
+        missing += [] if args.studies else ["--studies"]
+        parser.error(f"--method studies_span_targets needs {', '.join(missing)}")
     pilot = _pilot()
     targets = yaml.safe_load(args.amendment.read_text())["power"]["span_targets"]
     studies = dict(item.split("=", 1) for item in args.studies)
     doc = amendment4({s: Path(d) for s, d in studies.items()}, pilot.read_rows([args.pilot]),
                      yaml.safe_load(args.population.read_text()), targets)
-    text = yaml.safe_dump(doc, sort_keys=False, width=110)
+    return yaml.safe_dump(doc, sort_keys=False, width=110)
+
+
+# The power methods, by the name a version's data gives (kvcert.analysis.prereg.Version.power).
+METHODS = {"version_1_span": version_1_span, "studies_span_targets": studies_span_targets}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", required=True, choices=sorted(METHODS),
+                        help="the amendment's power method, as its data names it")
+    parser.add_argument("--v1-claims", type=Path, help="version_1_span: version 1's claims folder")
+    parser.add_argument("--span", type=float, default=4.0)
+    parser.add_argument("--n-qa", type=int)
+    parser.add_argument("--n-streaming", type=int)
+    parser.add_argument("--amendment", type=Path, help="studies_span_targets: its document (power.span_targets)")
+    parser.add_argument("--studies", nargs="+", default=[],
+                        help="studies_span_targets: STUDY=CLAIMS_DIR of committed studies")
+    parser.add_argument("--pilot", type=Path, help="studies_span_targets: the pilot's rows (pilot.csv)")
+    parser.add_argument("--population", type=Path, help="studies_span_targets: the chosen population (population.yaml)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    text = METHODS[args.method](args, parser)
     if args.out:
         from kvcert.atomic import write_text_atomic
 

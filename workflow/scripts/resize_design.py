@@ -61,7 +61,9 @@ def resize(cells: dict[str, dict], budget_seconds: float, keep: tuple[str, ...])
 
 # --- amendment 4: the planned cells, their timing run and the design ---------------------------------------------
 
-ORACLE_ITEMS = {"smollm2": 30, "gemma3": 16}  # amendment 2's oracle cells (C3's step tables), kept by amendment 4
+# Amendment 2's oracle cells (C3's step tables), kept by amendment 4, whose document states them in prose only; a
+# later amendment states its own as data (power.oracle_items: {model: items}).
+ORACLE_ITEMS = {"smollm2": 30, "gemma3": 16}
 ITEMS_PER_SHARD = 35  # about v3's shards (206 items in 6): a lost shard costs little, shards balance two cores
 KINDS = ("qa", "oracle", "streaming")
 MIN_QA_ITEMS = 100  # question-aware items (pooled) C6's streaming floor must leave in the scaled design
@@ -132,16 +134,17 @@ def time_cells(population: dict, out_dir: Path, n_items: int, seed: int, cores: 
 
 
 def design(population: dict, power: dict, timing: dict[str, dict], budget_seconds: float, seeds: dict[str, int],
-           c6_min_items: int) -> dict:
+           c6_min_items: int, *, prereg: int, oracle_items: dict[str, int] | None = None) -> dict:
     """The powered design and, when it does not fit the budget, the scaled one (``resize``'s rule); each
-    streaming cell keeps at least ``c6_min_items`` / number of models items (C6's failing runs per class)."""
+    streaming cell keeps at least ``c6_min_items`` / number of models items (C6's failing runs per class);
+    ``prereg``: the version the studies apply (the amendment document's ``version``)."""
     models = list(population["models"])
     per_model = power["per_model"]
     full = {}
     for model in models:
         full[f"qa-{model}"] = per_model["question_aware"]
         full[f"streaming-{model}"] = per_model["streaming"]
-        full[f"oracle-{model}"] = ORACLE_ITEMS.get(model, 16)
+        full[f"oracle-{model}"] = int((oracle_items or ORACLE_ITEMS).get(model, 16))
     cost = {c: timing[c]["per_item_median"] for c in full}
     cells = {c: {"items": n, "seconds": n * cost[c], "per_item_median": cost[c]} for c, n in full.items()}
     scaled = resize(cells, budget_seconds, keep=("oracle",))
@@ -161,8 +164,8 @@ def design(population: dict, power: dict, timing: dict[str, dict], budget_second
             if sum(n for c, n in attempt["counts"].items() if c.startswith("qa")) >= MIN_QA_ITEMS:
                 scaled = {**attempt, "c6_floor_kept": True}
     out = {"powered": {"counts": full, "estimated_cell_seconds": round(sum(full[c] * cost[c] for c in full)),
-                       "study": {"prereg": 4, "cells": planned_cells(population, full, seeds)}},
-           "reproduce_90_minutes": {**scaled, "study": {"prereg": 4, "cells": planned_cells(population, scaled["counts"], seeds)}}}
+                       "study": {"prereg": prereg, "cells": planned_cells(population, full, seeds)}},
+           "reproduce_90_minutes": {**scaled, "study": {"prereg": prereg, "cells": planned_cells(population, scaled["counts"], seeds)}}}
     out["fits"] = scaled["factor"] >= 1.0 and all(scaled["counts"][c] >= full[c] for c in full)
     return out
 
@@ -224,8 +227,9 @@ def amendment4_main(command: str, argv: list[str]) -> None:
         c6_min = math.ceil(int(doc["power"]["span_targets"]["c6_design_runs_per_class"])
                            / (3 * min(c6["p_inh"], c6["p_cache"])))
         out = design(population, power, measured_times, float(timing["budget_minutes"]) * 60 * args.cores,
-                     {k: int(v) for k, v in doc["power"]["items_seeds"].items()}, c6_min)
-        text = yaml.safe_dump({"rule": "amendment 4's power.budget", "c6_min_streaming_items": c6_min, **out},
+                     {k: int(v) for k, v in doc["power"]["items_seeds"].items()}, c6_min, prereg=int(doc["version"]),
+                     oracle_items=doc["power"].get("oracle_items"))
+        text = yaml.safe_dump({"rule": f"amendment {doc['version']}'s power.budget", "c6_min_streaming_items": c6_min, **out},
                               sort_keys=False, width=110)
         write_text_atomic(text, args.out)
     print(text, end="")

@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvcert.analysis import claims, data, figures, prereg
+from kvcert.analysis import claims, data, figures, prereg, registry as analyses
 from kvcert.analysis.errors import AnalysisError
 from kvcert.analysis.prereg import claim_spec, load_claims, verify_lock
 from kvcert.atomic import unwritable_reason, write_json_atomic
@@ -27,25 +27,6 @@ EXIT_BAD_INPUT = 2
 # Values of claim.yaml that a caller of run() may leave out.
 DEFAULTS = {"cells": [], "figure_dir": "paper_figures", "figures": True, "prereg_root": ".", "scale": "default",
             "n_boot": None, "seed": None, "allow_mixed_code": False, "prereg_version": 1}
-
-
-def _analysis(number: int, root: Path | None = None):
-    """(registry, run_claim) of pre-registration version ``number``: version 1's frozen claims module, or
-    amendment 2's module for versions 2 and 3 (amendment 3 changes the design's size, not the analysis;
-    imported only when asked for: it needs scikit-learn). From version 4 on, amendment 2's module with the
-    named variants the amendment's ``analysis`` mapping selects (kvcert.analysis.variants), read from the
-    amendment document under ``root``."""
-    if number == 1:
-        return claims.REGISTRY, claims.run_claim
-    from kvcert.analysis import amendment2
-
-    if number < 4:
-        return amendment2.REGISTRY, amendment2.run_claim
-    from kvcert.analysis import variants
-
-    doc = prereg.load_amendment(root or Path("."), number)
-    return variants.with_variants(amendment2.REGISTRY, amendment2.run_claim, doc.get("analysis"),
-                                  prereg.version(number).document)
 
 
 def cell_fingerprints(dirs: list[Path]) -> dict[str, str | None]:
@@ -91,9 +72,10 @@ def run(cfg: dict) -> claims.ClaimResult:
     _check_config(cfg)
     root = Path(cfg.get("prereg_root") or ".")
     number = int(cfg["prereg_version"])
-    prereg.version(number)
+    version_spec = prereg.version(number, root)
     verify_lock(root, number)
-    registry, run_claim = _analysis(number, root)
+    # The version's data names its analysis (kvcert.analysis.registry): a base and any named claim variants.
+    registry, run_claim = analyses.analysis(version_spec)
     claim_id = str(cfg["claim"])
     if claim_id not in registry:
         raise AnalysisError(f"claim={claim_id} is not one of {', '.join(sorted(registry))}")

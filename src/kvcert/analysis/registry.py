@@ -1,0 +1,148 @@
+"""The open registry of named analyses: what a pre-registration version's claims are computed by, by name.
+
+A version names its base analysis (``analysis`` in preregistration/versions.yaml, or ``analysis_base`` in a
+folder amendment's document; inherited by the versions that amend it) and may replace single claims by named
+variants (its document's ``analysis`` mapping, e.g. amendment 4's ``c5_gating: within_model``; inherited too).
+``analysis(version)`` returns the (claim registry, ``run_claim``) of that choice. Adding an amendment whose
+analysis changes means registering one named function here (``register_variant``) and naming it in the
+amendment's document; no claims module is copied and no code branches on a version number.
+
+Bases: ``claims`` (version 1's frozen module) and ``amendment2`` (version 1's claims with C4 and C6 taking the
+scikit-learn AUC method of kvcert.analysis.discrimination: amendment 2's analysis without its module's copies;
+scikit-learn is imported only when asked for). Variants: every variant of the frozen module
+kvcert.analysis.variants (frozen by amendment 4's lock, so it is read, never edited), and whatever later code
+registers.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kvcert.analysis import claims
+from kvcert.analysis.claims import ClaimDef, ClaimResult, Options, Tables
+from kvcert.analysis.errors import AnalysisError
+
+Analysis = tuple[dict[str, ClaimDef], Callable[..., ClaimResult]]
+
+# name -> a loader of (claim registry, run_claim); loaders, so that a base's dependencies load only when used.
+BASES: dict[str, Callable[[], Analysis]] = {}
+# choice -> {name: the claim function}; a choice replaces the claim CLAIM_OF[choice].
+VARIANTS: dict[str, dict[str, ClaimDef]] = {}
+CLAIM_OF: dict[str, str] = {}
+
+
+def register_base(name: str):
+    """Decorator: register a loader of a base analysis under ``name``."""
+    def add(loader: Callable[[], Analysis]) -> Callable[[], Analysis]:
+        if name in BASES:
+            raise ValueError(f"analysis base {name!r} is registered twice")
+        BASES[name] = loader
+        return loader
+    return add
+
+
+def register_variant(choice: str, claim: str, name: str, tables: tuple[str, ...] = ("items",)):
+    """Decorator: register ``fn(tables, spec, conventions, opts) -> ClaimResult`` as variant ``name`` of ``choice``,
+    which replaces claim ``claim`` (a choice always replaces the same claim)."""
+    def add(fn):
+        _add_variant(choice, claim, name, ClaimDef(fn, tables))
+        return fn
+    return add
+
+
+def _add_variant(choice: str, claim: str, name: str, definition: ClaimDef) -> None:
+    if CLAIM_OF.setdefault(choice, claim) != claim:
+        raise ValueError(f"analysis choice {choice!r} replaces {CLAIM_OF[choice]}, not {claim}")
+    if name in VARIANTS.setdefault(choice, {}):
+        raise ValueError(f"analysis variant {choice}={name} is registered twice")
+    VARIANTS[choice][name] = definition
+
+
+@register_base("claims")
+def _claims() -> Analysis:
+    return claims.REGISTRY, claims.run_claim
+
+
+@register_base("amendment2")
+def _amendment2() -> Analysis:
+    """Amendment 2's analysis, live: version 1's claims with C4 and C6 computing their AUCs by scikit-learn
+    (kvcert.analysis.discrimination). The frozen module amendment2.py stays as it was locked;
+    tests/test_discrimination.py shows this gives its claim JSONs."""
+    from kvcert.analysis import discrimination
+
+    registry = {**claims.REGISTRY,
+                "c4": ClaimDef(discrimination.prediction("sklearn"), ("items",)),
+                "c6": ClaimDef(discrimination.attribution("sklearn"), ("items",))}
+    return registry, runner(registry)
+
+
+def runner(registry: dict[str, ClaimDef]) -> Callable[..., ClaimResult]:
+    """``run_claim`` over ``registry``: the claim's function, then the run's options recorded in ``details.run``
+    (as claims.run_claim records them)."""
+    def run_claim(claim_id: str, tables: Tables, spec: dict, conventions: dict, opts: Options) -> ClaimResult:
+        if claim_id not in registry:
+            raise AnalysisError(f"claim={claim_id!r} is not one of {sorted(registry)}")
+        result = registry[claim_id].fn(tables, spec, conventions, opts)
+        _record_run(result, spec, conventions, opts)
+        return result
+    return run_claim
+
+
+def _record_run(result: ClaimResult, spec: dict, conventions: dict, opts: Options) -> None:
+    prereg_boot = int(spec.get("test", {}).get("n_boot", conventions.get("n_boot", 2000)))
+    result.details["run"] = {
+        "scale": opts.scale, "n_boot": opts.n_boot, "seed": opts.seed, "alpha": opts.alpha,
+        "n_boot_below_preregistered": opts.n_boot < prereg_boot,
+    }
+
+
+def _frozen_variants() -> None:
+    """The variants of the frozen module kvcert.analysis.variants, registered under their own names."""
+    from kvcert.analysis import variants
+
+    for choice, named in variants.VARIANTS.items():
+        for name, definition in named.items():
+            _add_variant(choice, variants.CLAIM_OF[choice], name, definition)
+
+
+_frozen_variants()
+
+
+def with_choices(base: Analysis, choices: dict[str, str], where: str) -> Analysis:
+    """(registry, run_claim) of ``base`` with the claims named by ``choices`` ({choice: variant name}) replaced.
+
+    A replaced claim's result records the run's options (``details.run``) and the choice it ran
+    (``details.analysis_variant``), as kvcert.analysis.variants records them; every other claim is the base's.
+    ``where`` (the document the choices come from) is named in errors.
+    """
+    registry, run_claim = base
+    if not choices:
+        return registry, run_claim
+    replaced: dict[str, ClaimDef] = {}
+    for choice, name in choices.items():
+        if choice not in VARIANTS:
+            raise AnalysisError(f"{where}: analysis.{choice}: unknown; known: {', '.join(sorted(VARIANTS))}")
+        if name not in VARIANTS[choice]:
+            raise AnalysisError(f"{where}: analysis.{choice}={name!r}: unknown; known: "
+                                f"{', '.join(sorted(VARIANTS[choice]))}")
+        replaced[CLAIM_OF[choice]] = VARIANTS[choice][name]
+    chosen = {CLAIM_OF[c]: {c: n} for c, n in choices.items()}
+
+    def run(claim_id: str, tables: Tables, spec: dict, conventions: dict, opts: Options) -> ClaimResult:
+        if claim_id not in replaced:
+            return run_claim(claim_id, tables, spec, conventions, opts)
+        result = replaced[claim_id].fn(tables, spec, conventions, opts)
+        _record_run(result, spec, conventions, opts)
+        result.details["analysis_variant"] = chosen[claim_id]
+        return result
+
+    return {**registry, **replaced}, run
+
+
+def analysis(version) -> Analysis:
+    """(registry, run_claim) of a pre-registration version (kvcert.analysis.prereg.Version): its base analysis
+    with its analysis choices applied."""
+    if version.analysis not in BASES:
+        raise AnalysisError(f"{version.document}: analysis base {version.analysis!r}: unknown; known: "
+                            f"{', '.join(sorted(BASES))}")
+    return with_choices(BASES[version.analysis](), dict(version.choices), version.document)
