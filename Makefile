@@ -137,13 +137,11 @@ sensitivity: install
 ## An amendment's pilot and design (make pilot-amendment AMENDMENT=N; default the newest): for an amendment whose
 ## data names the staged pilot, stages A-D per model on pilot items, the rules applied (pilot.csv,
 ## population.yaml), timing cells, power and design (timing.yaml, power.yaml, design.yaml), all under
-## preregistration/amendment-N/. Amendment 4's took 1 h 40 min on 2 cores shared with other jobs, the timing
-## cells 2.5 minutes.
-.PHONY: pilot-amendment pilot-amendment-4
+## preregistration/amendment-N/. Only an amendment without a lock: a locked amendment's files are frozen, and the
+## rules refuse it. Amendment 4's took 1 h 40 min on 2 cores shared with other jobs, the timing cells 2.5 minutes.
+.PHONY: pilot-amendment
 pilot-amendment: install model
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete amendment_design --config amendment=$(AMENDMENT)
-pilot-amendment-4:
-	$(MAKE) pilot-amendment AMENDMENT=4
 
 ## Recompute committed studies into results/verify and compare their rows of claims.csv, reproduction.csv
 ## and accuracy.csv with the committed ones: make verify-results STUDIES=v3 (any of the default scale's

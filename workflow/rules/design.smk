@@ -8,7 +8,10 @@
 # which its lock freezes once they exist; the pilot's and the timing cells' item tables stay under the output
 # folder and are never read by a claim.
 
-STAGED = {n: v for n, v in VERSIONS.items() if v.pilot == "staged"}
+# Only amendments not locked yet: a locked amendment's pilot and design files are frozen data, never a rule's
+# outputs (a rule that could produce them would let any rule reading them, render_docs for one, rerun the pilot
+# over the locked files).
+STAGED = {n: v for n, v in VERSIONS.items() if v.pilot == "staged" and not (Path(REPO) / v.lock).is_file()}
 DESIGN_SCRIPTS = f"{REPO}/workflow/scripts"
 AMENDMENT_FOLDER = f"{REPO}/preregistration/amendment-{{n}}"
 
@@ -103,8 +106,8 @@ rule design_amendment:
 
 DESIGNED = int(config.get("amendment", max(STAGED, default=0)))
 if "amendment" in config and DESIGNED not in STAGED:
-    fail(f"--config amendment={config['amendment']}: not an amendment with a staged pilot; known: "
-         f"{', '.join(map(str, sorted(STAGED))) or 'none'}")
+    fail(f"--config amendment={config['amendment']}: not an unlocked amendment with a staged pilot (a locked "
+         f"amendment's pilot and design are frozen); unlocked: {', '.join(map(str, sorted(STAGED))) or 'none'}")
 
 
 rule amendment_design:
