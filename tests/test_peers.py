@@ -161,9 +161,10 @@ def test_knorm_is_the_reciprocal_of_kvpress(compared):
 # the observation window of kvpress's SnapKV base (16):
 #
 # * ExpectedAttention (Devoto et al., 2025): kvcert's ``expected_attention`` gives kvpress's scores for every
-#   key after the n_sink (4) sinks, to RTOL_EXPONENTIAL: the scores are exponentials of logits built from the
-#   queries' mean and covariance, which kvpress sums in float32 and kvcert in float64, so float32 rounding of
-#   the logits (measured up to 2e-5 on SmolLM2) becomes relative error of the scores. kvpress puts its sinks
+#   key after the n_sink (4) sinks, to RTOL_EXPONENTIAL: the scores are exponentials of logits of size up to
+#   tens, built from the queries' mean and covariance, so float32 differences of their inputs (kvcert's hidden
+#   states come from its own attention path; kvpress sums the statistics in float32, kvcert in float64)
+#   become relative errors of the scores up to 2e-5 on these prompts. kvpress puts its sinks
 #   above every key; kvcert gives them the head's highest score (its design keeps its own sinks). kvpress 0.5.5
 #   calls the model's shared rotary embedding without a layer type, which Gemma 3's refuses: the peer script
 #   binds each layer's type, as the model's own forward does, and kvcert uses the layer's own tables.
