@@ -25,6 +25,7 @@ from kvcert.attention import CONTEXT_KWARG
 from kvcert.certificates import CertificateRecorder
 from kvcert.context import AttentionContext
 from kvcert.kernels import attention_path
+from kvcert.policies import prefill_needs
 from kvcert.generation import decode_batch
 from kvcert.sampling import retained_count
 
@@ -32,13 +33,15 @@ CONTEXT = 40
 QUESTION = 6
 STEPS = 4
 ATOL = 1e-5
+FIELD_SCORERS = ["expected_attention", "criticalkv", "observed_attention"]  # kvpress's, beyond the originals
 
 
-def _prefill(model, context: torch.Tensor, question: torch.Tensor, setting: str):
-    """Question-aware: prefill context + question together; streaming: the question becomes the suffix."""
+def _prefill(model, context: torch.Tensor, question: torch.Tensor, setting: str, **needs):
+    """Question-aware: prefill context + question together; streaming: the question becomes the suffix.
+    needs: what the prefill collects besides (``kvcert.policies.prefill_needs``)."""
     if setting == "question_aware":
-        return kvcert.prefill(model, torch.cat([context, question], -1), setting=setting)
-    return kvcert.prefill(model, context, question, setting=setting)
+        return kvcert.prefill(model, torch.cat([context, question], -1), setting=setting, **needs)
+    return kvcert.prefill(model, context, question, setting=setting, **needs)
 
 
 @torch.no_grad()
@@ -165,17 +168,18 @@ def test_model_generate_runs_on_the_compressed_cache(arch, design):
     assert not [name for name in AttentionInterface._global_mapping if name.startswith("kvcert_")]
 
 
+@pytest.mark.parametrize("policy", ["snapkv", *FIELD_SCORERS])
 @pytest.mark.parametrize("setting", ["question_aware", "streaming"])
 @pytest.mark.parametrize("design", ["topk", "poisson"])
-def test_compressed_budget_runs_with_physical_slots_near_budget(setting, design):
+def test_compressed_budget_runs_with_physical_slots_near_budget(setting, design, policy):
     _, model, _ = _build("gemma3")
     context, question = _prompt(6, n_context=320)
-    state = _prefill(model, context, question, setting)
+    state = _prefill(model, context, question, setting, **prefill_needs([policy]))
     n = state.context_tokens
     budget = 0.25
     expected = retained_count(budget, n)
     assert expected == round(budget * n)  # long enough prompt: the sinks+recent floor is not binding
-    selections = kvcert.select(state, "snapkv", design, budget, seed=7)
+    selections = kvcert.select(state, policy, design, budget, seed=7)
     decoded = kvcert.decode(model, state, selections, max_new_tokens=5, certify=True, oracle=True)
     assert np.isfinite(decoded.logprobs).all()
     steps = decoded.steps
@@ -195,6 +199,23 @@ def test_compressed_budget_runs_with_physical_slots_near_budget(setting, design)
         assert abs(decoded.retained_tokens - expected) <= 0.15 * expected
         assert max(sel.index.shape[-1] for sel in selections) <= 1.3 * expected
     assert decoded.cache_bytes / decoded.full_bytes <= budget + 0.05
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_field_scorers_score_every_architecture(arch):
+    """ExpectedAttention, CriticalKV and ObservedAttention on every tiny architecture (GQA, MQA, sliding
+    windows, Gemma 3's two RoPEs, Phi-3's fused qkv, StableLM's partial rotary): one non-negative finite score
+    per cached token and KV head, and they rank the tokens differently from each other."""
+    _, model, _ = _build(arch)
+    context, question = _prompt(5)
+    state = _prefill(model, context, question, "question_aware", **prefill_needs(FIELD_SCORERS))
+    scores = {name: state.scores(name) for name in FIELD_SCORERS}
+    for name, layers in scores.items():
+        for layer_scores, layer in zip(layers, state.cache.layers):
+            assert layer_scores.shape == layer.keys.shape[:-1], name
+            assert torch.isfinite(layer_scores).all() and (layer_scores >= 0).all(), name
+    first = [s[0].flatten() for s in scores.values()]
+    assert not torch.equal(first[0].argsort(), first[2].argsort())
 
 
 @pytest.mark.parametrize("setting", ["question_aware", "streaming"])

@@ -20,6 +20,7 @@ LAYERS = {
     "kvcert.gpu_slots": 0,
     "kvcert.hydra_app": 1, "kvcert.estimator": 1, "kvcert.sampling": 1, "kvcert.prompts": 1, "kvcert.kernels": 1,
     "kvcert.data": 1, "kvcert.hub": 1,
+    "kvcert.query_statistics": 1,  # the prefix queries before RoPE, and the RoPE after the prefix
     "kvcert.designs": 2, "kvcert.allocators": 2, "kvcert.policies": 2, "kvcert.models": 2, "kvcert.scales": 2,
     "kvcert.certificates": 3, "kvcert.calibration": 3, "kvcert.architectures": 3,
     "kvcert.cache": 3,  # stores slots only: nothing of certificates, calibration or kernels

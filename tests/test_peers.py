@@ -16,6 +16,8 @@ kvpress's own presses' ``score``. Per layer and KV head, for every key of the pr
   kv_group``, averages per KV head instead and must differ.
 * Knorm (Devoto et al., 2024): kvcert scores 1 / ||k||, kvpress -||k||: the same order, checked as the exact
   relation between the two.
+* ExpectedAttention, CriticalKV and ObservedAttention: where and why they differ is stated at their tests,
+  in the block of that name at the end.
 """
 
 from __future__ import annotations
@@ -215,3 +217,84 @@ def test_pyramidkv_layer_counts_equal_kvpress(compared):
         at_our_mean = pyramid_budgets(count, n, layers, window, beta)
         assert max(abs(m - b) for m, b in zip(mine, at_our_mean)) < 1, f"{model_name} ratio {ratio}"
     assert pyramids, f"{model_name}: kvpress fell back to a uniform budget at every ratio: nothing compared"
+
+
+# --- ExpectedAttention, CriticalKV, ObservedAttention ---------------------------------------------------------
+# (kvpress_scores.py's block of the same name.) The three are compared on one kvcert prefill per model, with
+# the observation window of kvpress's SnapKV base (16):
+#
+# * ExpectedAttention (Devoto et al., 2025): kvcert's ``expected_attention`` gives kvpress's scores for every
+#   key after the n_sink (4) sinks, to RTOL_EXPONENTIAL: the scores are exponentials of logits of size up to
+#   tens, built from the queries' mean and covariance, so float32 differences of their inputs (kvcert's hidden
+#   states come from its own attention path; kvpress sums the statistics in float32, kvcert in float64)
+#   become relative errors of the scores up to 2e-5 on these prompts. kvpress puts its sinks
+#   above every key; kvcert gives them the head's highest score (its design keeps its own sinks). kvpress 0.5.5
+#   calls the model's shared rotary embedding without a layer type, which Gemma 3's refuses: the peer script
+#   binds each layer's type, as the model's own forward does, and kvcert uses the layer's own tables.
+# * CriticalKV (Feng et al., 2025) over SnapKV: with no first stage, kvpress's scores equal kvcert's
+#   ``criticalkv`` where the two SnapKVs agree (before the pooling edge), and the projected-norm factor
+#   score / (SnapKV + epsilon) is equal at every key. kvpress's default first stage, which depends on the
+#   budget and so has no place in a kvcert score, sets the top (1 − compression_ratio)·n·first_stage_ratio keys
+#   of the base press's scores to the largest float; the test checks that this is the only difference.
+# * ObservedAttention: kvcert's ``observed_attention`` gives kvpress's scores (attention weights of an eager
+#   run, hence RTOL_EXPONENTIAL again: its hidden states round differently from the SDPA run's). kvcert's
+#   ``h2o`` differs from it by the normalisation only: h2o = observed_attention · (n − j), the n − j queries at
+#   or after key j, checked on kvcert's own scores.
+RTOL_EXPONENTIAL = 5e-5
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def scorer_prefill(compared):
+    """One kvcert prefill of the case's prompt that collects what the three policies need."""
+    model_name, model, ids, _, peer = compared
+    state = kvcert.prefill(model, ids, observation_window=WINDOW, accumulate=True, query_statistics=True)
+    return model_name, model, ids, peer, state
+
+
+def test_expected_attention_equals_kvpress(scorer_prefill):
+    model_name, model, ids, peer, state = scorer_prefill
+    n, hk, sinks = ids.shape[-1], model.config.num_key_value_heads, 4
+    for i, mine in enumerate(state.scores("expected_attention")):
+        theirs, mine = peer[f"expected_attention_layer{i}"], mine.double().numpy()
+        assert mine.shape == theirs.shape == (1, hk, n)
+        np.testing.assert_allclose(mine[..., sinks:], theirs[..., sinks:], rtol=RTOL_EXPONENTIAL, atol=ATOL,
+                                   err_msg=f"{model_name} layer {i}")
+        assert (theirs[..., :sinks] > theirs[..., sinks:].max(-1, keepdims=True)).all()
+        assert (mine[..., :sinks] == mine[..., sinks:].max(-1, keepdims=True)).all()
+
+
+def test_criticalkv_equals_kvpress_but_for_its_budgeted_first_stage(scorer_prefill):
+    model_name, model, ids, peer, state = scorer_prefill
+    n, epsilon = ids.shape[-1], 1e-4
+    edge = n - WINDOW - 5 // 2  # SnapKV's pooling edge (test_snapkv_scores_equal_kvpress)
+    first_stage = int(0.5 * n * 0.5)  # compression_ratio 0.5, first_stage_ratio 0.5
+    snapkv = state.scores("snapkv")
+    for i, mine in enumerate(state.scores("criticalkv")):
+        mine, theirs = mine.double().numpy(), peer[f"criticalkv_layer{i}"]
+        np.testing.assert_allclose(mine[..., :edge], theirs[..., :edge], rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{model_name} layer {i}")
+        ours_factor = mine / (snapkv[i].double().numpy() + epsilon)
+        theirs_factor = theirs / (peer[f"snapkv_w{WINDOW}_k5_layer{i}"] + epsilon)
+        np.testing.assert_allclose(ours_factor, theirs_factor, rtol=RTOL, atol=0, err_msg=f"{model_name} layer {i}")
+        two_stage = peer[f"criticalkv_two_stage_layer{i}"]
+        largest = two_stage == np.finfo(np.float32).max
+        assert (largest.sum(-1) == first_stage).all()
+        top = np.argsort(-peer[f"snapkv_w{WINDOW}_k5_layer{i}"], axis=-1, kind="stable")[..., :first_stage]
+        expected = np.zeros_like(largest)
+        np.put_along_axis(expected, top, True, axis=-1)
+        assert (largest == expected).all(), f"{model_name} layer {i}: the first stage is not SnapKV's top keys"
+        np.testing.assert_array_equal(two_stage[~largest], theirs[~largest])
+
+
+def test_observed_attention_equals_kvpress_and_is_h2o_normalised(scorer_prefill):
+    model_name, model, ids, peer, state = scorer_prefill
+    n = ids.shape[-1]
+    queries_seeing = np.arange(n, 0, -1)
+    for i, (mine, h2o) in enumerate(zip(state.scores("observed_attention"), state.scores("h2o"))):
+        mine, theirs = mine.double().numpy(), peer[f"observed_attention_layer{i}"]
+        assert mine.shape == theirs.shape
+        np.testing.assert_allclose(mine, theirs, rtol=RTOL_EXPONENTIAL, atol=ATOL, err_msg=f"{model_name} layer {i}")
+        np.testing.assert_allclose(h2o.double().numpy(), mine * queries_seeing, rtol=1e-6, atol=0,
+                                   err_msg=f"{model_name} layer {i}")
+        assert np.abs(h2o.double().numpy() - mine).max() > 1e-3  # the normalisation is not a no-op

@@ -214,3 +214,157 @@ def test_snapkv_and_tova_read_the_last_prefill_queries(captured_prefill):
         np.testing.assert_allclose(state.scores("snapkv")[layer][0].double().numpy(), snapkv, rtol=1e-4, atol=1e-7)
         tova = _group_mean(attn[:, -1])
         np.testing.assert_allclose(state.scores("tova")[layer][0].double().numpy(), tova, rtol=1e-4, atol=1e-7)
+
+
+# --------------------------------------------------------------- ExpectedAttention, CriticalKV, ObservedAttention
+
+HIDDEN, ATTENTION_SCALING = 12, 1.3  # output projection width; a RoPE scaling (cos² + sin² ≠ 1), as YaRN's
+
+
+def _rope_tables(n_positions: int, rotary_dims: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin (n_positions, rotary_dims) of transformers' RoPE (base 10000, halves repeated), scaled."""
+    theta = 1.0 / 10000 ** (np.arange(0, rotary_dims, 2) / rotary_dims)
+    angles = np.arange(n_positions)[:, None] * np.concatenate([theta, theta])[None, :]
+    return ATTENTION_SCALING * np.cos(angles), ATTENTION_SCALING * np.sin(angles)
+
+
+def _rotation(cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """(D, D): the matrix of q -> q·cos + rotate_half(q)·sin on the first r dims, identity on the rest."""
+    r, half = cos.shape[-1], cos.shape[-1] // 2
+    out = np.eye(D)
+    for i in range(half):
+        out[i, i], out[i, i + half] = cos[i], -sin[i]
+        out[i + half, i + half], out[i + half, i] = cos[i + half], sin[i + half]
+    return out
+
+
+def _scorer_view(rotary_dims: int = D, seed: int = 1) -> tuple[LayerView, np.ndarray, np.ndarray]:
+    """The hand-built view with query statistics and an output projection, and the queries before RoPE
+    (HQ, N, D) and the rotary tables (N + FUTURE_POSITIONS, r) it was built from. The queries are recorded in
+    two calls, as a prefill in two chunks would."""
+    from kvcert.query_statistics import FUTURE_POSITIONS, QueryStatistics
+
+    view = _view(seed=seed)
+    g = np.random.default_rng(seed)
+    plain = g.normal(size=(HQ, N, D)) + g.normal(size=(HQ, 1, D))  # a mean that is not zero
+    cos, sin = _rope_tables(N + FUTURE_POSITIONS, rotary_dims)
+    rotated = np.stack([[_rotation(cos[p], sin[p]) @ plain[h, p] for p in range(N)] for h in range(HQ)])
+    stats = QueryStatistics((torch.tensor(cos, dtype=torch.float32), torch.tensor(sin, dtype=torch.float32)))
+    queries = torch.tensor(rotated, dtype=torch.float32).unsqueeze(0)
+    for chunk in (slice(0, 11), slice(11, N)):
+        stats.add(queries[..., chunk, :], torch.arange(N)[chunk])
+    stats.finish(N)
+    projection = torch.tensor(g.normal(size=(HIDDEN, HQ * D)), dtype=torch.float32)
+    view = LayerView(view.keys, view.values, view.window_queries, view.accumulated_attention, view.scale,
+                     view.sliding_window, query_statistics=stats, output_projection=projection)
+    return view, plain, (cos, sin)
+
+
+def expected_attention_reference(view, plain, tables, n_sink=4, n_future=512, covariance=True, vnorm=True):
+    """Devoto et al.'s expected attention, written out: (HK, N)."""
+    cos, sin = tables
+    rbar = np.mean([_rotation(cos[t], sin[t]) for t in range(N, N + n_future)], axis=0)
+    k = view.keys[0].double().numpy()
+    v = view.values[0].double().numpy()
+    s = view.scale
+    per_head = []
+    for h in range(HQ):
+        q = plain[h, n_sink:]
+        mu = q.mean(0)
+        sigma = (q - mu).T @ (q - mu) / len(q)
+        mu, sigma = rbar @ mu, rbar @ sigma @ rbar.T
+        keys = k[h // (HQ // HK), n_sink:]
+        logits = np.array([s * mu @ kj + (s * s / 2 * kj @ sigma @ kj if covariance else 0.0) for kj in keys])
+        weights = np.exp(logits - logits.max())
+        per_head.append(weights / weights.sum())
+    scores = _group_mean(np.stack(per_head))
+    if vnorm:
+        scores = scores * np.sqrt((v[:, n_sink:] ** 2).sum(-1))
+    return np.concatenate([np.repeat(scores.max(-1, keepdims=True), n_sink, axis=-1), scores], axis=-1)
+
+
+@pytest.mark.parametrize("rotary_dims", [D, D // 2])  # full and partial rotary
+def test_expected_attention_is_the_gaussian_expectation_under_averaged_rope(rotary_dims):
+    view, plain, tables = _scorer_view(rotary_dims)
+    expected = expected_attention_reference(view, plain, tables)
+    np.testing.assert_allclose(_score("expected_attention", view), expected, rtol=RTOL, atol=ATOL)
+    options = dict(n_sink=2, n_future_positions=64, use_covariance=False, use_vnorm=False)
+    scores = get_policy("expected_attention", **options).score(view)[0].double().numpy()
+    reference = expected_attention_reference(view, plain, tables, n_sink=2, n_future=64, covariance=False,
+                                             vnorm=False)
+    np.testing.assert_allclose(scores, reference, rtol=RTOL, atol=ATOL)
+    # Pinned: each option changes the scores, and the queries' positions matter (RoPE is not ignored).
+    for other in (dict(options, n_sink=3), dict(options, n_future_positions=1), dict(options, use_covariance=True)):
+        assert np.abs(get_policy("expected_attention", **other).score(view)[0].double().numpy() - scores).max() > 1e-4
+    unrotated = expected_attention_reference(view, plain, (np.ones_like(tables[0]), np.zeros_like(tables[1])))
+    assert np.abs(unrotated - expected).max() > 1e-4
+
+
+def test_expected_attention_refuses_bad_options_and_missing_statistics():
+    for options, match in ((dict(n_sink=17), "n_sink=17"), (dict(n_future_positions=0), "n_future_positions=0"),
+                           (dict(epsilon=-1.0), "epsilon=-1.0")):
+        with pytest.raises(ValueError, match=match):
+            get_policy("expected_attention", **options)
+    with pytest.raises(ValueError, match="query statistics"):
+        _score("expected_attention", _view())
+
+
+def test_criticalkv_reweights_the_base_by_the_projected_value_norm():
+    view, _, _ = _scorer_view()
+    w = view.output_projection.double().numpy()  # (HIDDEN, HQ·D)
+    v = view.values[0].double().numpy()
+    projected = np.stack([np.abs(v[h // (HQ // HK)] @ w[:, h * D: (h + 1) * D].T).sum(-1) for h in range(HQ)])
+    norm = _group_mean(projected)  # (HK, N)
+    np.testing.assert_allclose(_score("criticalkv", view), (snapkv_reference(view) + 1e-4) * norm, rtol=RTOL,
+                               atol=ATOL)
+    knorm_based = get_policy("criticalkv", base="knorm", epsilon=0.5).score(view)[0].double().numpy()
+    k = view.keys[0].double().numpy()
+    np.testing.assert_allclose(knorm_based, (1 / np.sqrt((k ** 2).sum(-1)) + 0.5) * norm, rtol=RTOL)
+    # the L1 norm over the hidden units, not the L2 norm
+    l2 = _group_mean(np.stack([np.sqrt(((v[h // 2] @ w[:, h * D: (h + 1) * D].T) ** 2).sum(-1)) for h in range(HQ)]))
+    assert np.abs(l2 - norm).max() > 1e-3
+    assert get_policy("criticalkv", base="h2o").needs_accumulated_attention
+    assert get_policy("criticalkv", base="expected_attention").needs_query_statistics
+    for options, match in ((dict(base="criticalkv"), "base='criticalkv'"), (dict(base="x"), "base='x'"),
+                           (dict(epsilon=float("inf")), "epsilon=inf")):
+        with pytest.raises(ValueError, match=match):
+            get_policy("criticalkv", **options)
+    with pytest.raises(ValueError, match="output projection"):
+        _score("criticalkv", _view())
+
+
+def test_observed_attention_is_the_mean_over_the_queries_that_follow_each_key():
+    view = _view()
+    acc = view.accumulated_attention[0].double().numpy()
+    expected = _group_mean(np.stack([[acc[h, j] / (N - j) for j in range(N)] for h in range(HQ)]))
+    np.testing.assert_allclose(_score("observed_attention", view), expected, rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="accumulated attention"):
+        get_policy("observed_attention").score(LayerView(view.keys, view.values, view.window_queries, None, view.scale))
+
+
+def test_expected_attention_statistics_through_the_prefill(captured_prefill):
+    """On the tiny Gemma3 (sliding and full layers with their own RoPE bases), a second prefill that collects
+    the query statistics: its un-rotated queries, rotated back by the layer's rotary tables, are the queries
+    the attention calls saw, and the first prefill's scores are unchanged by collecting them."""
+    state, calls = captured_prefill
+    _, model, _ = build("gemma3", seed=3, window=96)
+    ids = state.prefix_ids
+    with_stats = kvcert.prefill(model, ids, observation_window=16, accumulate=True, query_statistics=True)
+    assert state.observations[0].query_statistics is None  # not collected unless asked
+    from kvcert.query_statistics import rotary_tables
+
+    tables = rotary_tables(model, ids.shape[-1])
+    assert not torch.equal(tables[0][0], tables[1][0])  # local and global RoPE differ
+    for layer, q, _, _, _ in calls:
+        stats = with_stats.observations[layer].query_statistics
+        cos, sin = (t.double() for t in tables[layer])
+        mean, cov = stats.moments(0)
+        plain = (q * cos - torch.cat([-q[..., 8:], q[..., :8]], -1) * sin) / (cos ** 2 + sin ** 2)
+        np.testing.assert_allclose(mean[0].numpy(), plain.mean(1).numpy(), rtol=1e-4, atol=1e-5)
+        centred = plain - plain.mean(1, keepdim=True)
+        np.testing.assert_allclose(cov[0].numpy(), (centred.transpose(1, 2) @ centred / q.shape[1]).numpy(),
+                                   rtol=1e-4, atol=1e-5)
+    for name in ("snapkv", "h2o"):
+        for mine, before in zip(with_stats.scores(name), state.scores(name)):
+            torch.testing.assert_close(mine, before)
+    assert all(torch.isfinite(s).all() for s in with_stats.scores("expected_attention"))

@@ -10,8 +10,9 @@ Query heads are grouped by KV head (GQA) without repeating keys: queries (batch,
 
 * ``plain_attention``: no kvcert cache (the model used normally while attached): causal attention, or
   the model's own mask when a batch is padded;
-* ``prefill_attention``: a layer that observes (the prefill): record the observation window's queries
-  and, for H2O, the attention each key receives; then causal attention;
+* ``prefill_attention``: a layer that observes (the prefill): record the observation window's queries, the
+  output projection, and where asked the attention each key receives (H2O, ObservedAttention) and the
+  queries' statistics before RoPE (ExpectedAttention); then causal attention;
 * ``full_cache_attention``: an uncompressed layer: causal (and sliding-window) attention over its slots;
 * ``compressed_attention``: the Hájek offset −log π as an additive bias (docs/METHOD.md §3);
 * ``certified_attention``: the same estimate computed in float32 with its variance, in the same call (the
@@ -95,21 +96,26 @@ def plain_attention(module, query, key, value, attention_mask, scale: float, sli
     return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=True)
 
 
-def _observe(obs: Observation, layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, scale: float,
+def _observe(module, obs: Observation, layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, scale: float,
              sliding: int | None):
-    """Record the last window queries and, if asked, the attention each key received during prefill."""
+    """Record the last window queries, the output projection and, if asked, the queries' statistics before RoPE
+    and the attention each key received during prefill."""
     obs.scale, obs.sliding_window = scale, sliding
+    projection = getattr(module, "o_proj", None)
+    obs.output_projection = projection.weight.detach() if projection is not None else None
     queries = query.detach()
     if obs.window_queries is not None:
         queries = torch.cat([obs.window_queries, queries], dim=-2)
     obs.window_queries = queries[..., -obs.window:, :].clone()
-    if not obs.accumulate:
-        return
     b, hq, m, _ = query.shape
-    n = key.shape[-2]
-    keys = key.detach().float().repeat_interleave(hq // key.shape[1], dim=1)
     k_pos = layer.positions[0, 0]
     q_pos_all = k_pos[-m:]
+    if obs.query_statistics is not None:
+        obs.query_statistics.add(query.detach(), q_pos_all)
+    if not obs.accumulate:
+        return
+    n = key.shape[-2]
+    keys = key.detach().float().repeat_interleave(hq // key.shape[1], dim=1)
     total = torch.zeros((b, hq, n), dtype=torch.float32, device=key.device)
     for start in range(0, m, _H2O_CHUNK):
         q = query[..., start: start + _H2O_CHUNK, :].detach().float()
@@ -121,9 +127,10 @@ def _observe(obs: Observation, layer: CompressedLayer, query: torch.Tensor, key:
     obs.accumulated_attention = total
 
 
-def prefill_attention(obs: Observation, layer: CompressedLayer, query, key, value, scale: float, sliding: int | None):
+def prefill_attention(module, obs: Observation, layer: CompressedLayer, query, key, value, scale: float,
+                      sliding: int | None):
     """An observed layer: record what the policies need, then causal attention, (b, hq, m, d)."""
-    _observe(obs, layer, query, key, scale, sliding)
+    _observe(module, obs, layer, query, key, scale, sliding)
     m = query.shape[-2]
     if sliding is None and m == key.shape[-2] and m > 1:
         # A whole uncompressed prefix at once: plain causal attention, no explicit mask.
@@ -268,7 +275,7 @@ def kvcert_attention(
                          "of one prompt); decode prompts one at a time")
     layer = ctx.cache.layers[module.layer_idx]
     if ctx.observations is not None:
-        out = prefill_attention(ctx.observations[module.layer_idx], layer, query, key, value, scale, sliding)
+        out = prefill_attention(module, ctx.observations[module.layer_idx], layer, query, key, value, scale, sliding)
     elif not layer.compressed:
         out = full_cache_attention(layer, query, key, value, scale, sliding)
     elif ctx.recorder is None:

@@ -17,6 +17,7 @@ import torch
 from .cache import CompressedCache
 from .certificates import CertificateRecorder
 from .estimator import one_minus_pi
+from .query_statistics import QueryStatistics
 
 
 @dataclass
@@ -24,13 +25,19 @@ class Observation:
     """What the prefill records in one layer for the scoring policies.
 
     window_queries: (batch, q_heads, w, head_dim); accumulated_attention: (batch, q_heads, n) or None;
-    scale and sliding_window: the layer's, as the model's attention module passed them.
+    query_statistics: the prefix queries' statistics before RoPE (``kvcert.query_statistics``), or None when
+    not collected (the prefill gives it its rotary tables when asked to collect); output_projection:
+    (hidden, q_heads·head_dim), the layer's output projection weight as the model holds it (a reference, no
+    copy), or None where the attention module has no ``o_proj``; scale and sliding_window: the layer's, as the
+    model's attention module passed them.
     """
 
     window: int
     accumulate: bool
     window_queries: torch.Tensor | None = None
     accumulated_attention: torch.Tensor | None = None
+    query_statistics: QueryStatistics | None = None
+    output_projection: torch.Tensor | None = field(default=None, repr=False)
     scale: float | None = None
     sliding_window: int | None = None
 

@@ -25,7 +25,8 @@ from .context import AttentionContext, Observation
 from .designs import DesignOptions, Selection, get_design
 from .estimator import certificate
 from .kernels import attention_path
-from .policies import LayerView, get_policy
+from .policies import LayerView, get_policy, prefill_needs
+from .query_statistics import FUTURE_POSITIONS, QueryStatistics, rotary_tables
 from .prompts import SETTINGS, build_prompt, check_setting, model_limit
 from .schema import STEP_COLUMNS
 
@@ -72,6 +73,8 @@ class Prefill:
                     accumulated_attention=obs.accumulated_attention,
                     scale=obs.scale,
                     sliding_window=obs.sliding_window,
+                    query_statistics=obs.query_statistics,
+                    output_projection=obs.output_projection,
                 )
             )
         return views
@@ -93,12 +96,16 @@ def prefill(
     setting: str = "question_aware",
     observation_window: int = RUN.observation_window,
     accumulate: bool = False,
+    query_statistics: bool = False,
     policy_options: dict | None = None,
 ) -> Prefill:
     """Run the model over ``prefix_ids`` (1, n) once, recording what the scoring policies need.
 
     observation_window: the last prompt tokens whose queries SnapKV and TOVA score with; accumulate: also
-    collect each key's accumulated attention (needed by h2o; one more O(n²) pass); policy_options: per
+    collect each key's accumulated attention (needed by h2o and observed_attention; one more O(n²) pass);
+    query_statistics: also collect the queries' mean and covariance before RoPE and the rotary tables after
+    the prefix (needed by expected_attention; O(n·d²) per layer); ``kvcert.policies.prefill_needs`` says
+    which a set of policies needs; policy_options: per
     policy name, keyword options of that policy (e.g. ``{"snapkv": {"kernel_size": 7, "pooling": "max"}}``).
     """
     check_setting(setting)
@@ -111,9 +118,16 @@ def prefill(
     suffix_ids = (suffix_ids if suffix_ids is not None else prefix_ids[:, :0]).to(device)
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     ctx = AttentionContext.for_prefill(n_layers, observation_window=observation_window, accumulate=accumulate)
+    if query_statistics:
+        n = prefix_ids.shape[-1]
+        for obs, tables in zip(ctx.observations, rotary_tables(model, n + FUTURE_POSITIONS)):
+            obs.query_statistics = QueryStatistics(tables)
     # Only the last position's logits are needed; the full (n, vocab) matrix would dominate the prefill.
     with attach(model, ctx):  # bound, not passed as a keyword: some architectures do not forward keywords
         out = model(input_ids=prefix_ids, cache=ctx.cache, use_cache=True, logits_to_keep=1)
+    for obs in ctx.observations:
+        if obs.query_statistics is not None:
+            obs.query_statistics.finish(prefix_ids.shape[-1])
     return Prefill(ctx.cache, ctx.observations, prefix_ids, suffix_ids, out.logits[:, -1].float(), setting,
                    dict(policy_options or {}))
 
@@ -460,9 +474,9 @@ def generate(
         calibration = prepare_calibration(calibration, model=model, setting=setting,
                                           configurations=[(policy, design, budget)], options=options, delta=delta,
                                           observation_window=observation_window, policy_options=policy_options)
-    needs_acc = (not full) and get_policy(policy).needs_accumulated_attention
+    needs = prefill_needs([] if full else [policy], policy_options)
     state = prefill(model, prompt.prefix_ids, prompt.suffix_ids, setting=setting,
-                    observation_window=observation_window, accumulate=needs_acc, policy_options=policy_options)
+                    observation_window=observation_window, **needs, policy_options=policy_options)
     draw = seed if item_id is None else item_seed(seed, item_id)
     selections = None if full else select(state, policy, design, budget, draw, options, allocator, allocator_options)
     decoded = decode(

@@ -130,7 +130,7 @@ def workload_prompts(data: dict[str, Any], setting: str, cap: int | None) -> lis
 
 def cell_plan(config, run_cfg: dict[str, Any], dtype: str, device_type: str) -> CellPlan:
     """The batches a cell decodes (as kvcert.runner.cell.batches groups them) and what it records."""
-    from .policies import get_policy
+    from .policies import prefill_needs
     from .runner.cell import batches
 
     groups = batches(config.configurations())
@@ -139,7 +139,7 @@ def cell_plan(config, run_cfg: dict[str, Any], dtype: str, device_type: str) -> 
         batches=tuple(Batch(rows=len(g), budget=g[0].budget if not g[0].is_full else 1.0,
                             randomized_rows=sum(c.design == "poisson" for c in g)) for g in groups),
         oracle=bool(config.oracle), certify=bool(config.certify),
-        accumulate=any(get_policy(p).needs_accumulated_attention for p in config.all_policies),
+        accumulate=prefill_needs(config.all_policies, config.policy_options)["accumulate"],
         head_fraction=opts.head_fraction, n_sink=opts.n_sink, n_recent=opts.n_recent, window=config.observation_window,
         kernel_path=dtype == "float32" and device_type == "cpu",
     )

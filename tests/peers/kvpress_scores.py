@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     presses = {f"snapkv_w{w}_k{k}": SnapKVPress(window_size=int(w), kernel_size=int(k))
                for w, k in (setting.split(":") for setting in args.settings)}
     presses.update(tova=TOVAPress(), knorm=KnormPress())
+    presses.update(expected_and_critical_presses(model))
     arrays = {}
 
     def hook(module, inputs, kwargs, output):
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for handle in handles:
             handle.remove()
+    arrays.update(observed_attention_scores(args.model_dir, ids))
     np.savez(args.out, **arrays)
     return 0
 
@@ -93,6 +95,71 @@ def allocator_hooks(model, arrays: dict) -> list:
         return output
 
     return [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+
+
+# --- ExpectedAttention, CriticalKV, ObservedAttention -------------------------------------------------------
+# ``expected_attention_layer{i}``: ExpectedAttentionPress() with its defaults; ``criticalkv_layer{i}``:
+# CriticalKVPress(SnapKVPress(window_size=16, kernel_size=5), first_stage_ratio=0) (the re-weighted scores
+# alone); ``criticalkv_two_stage_layer{i}``: the same at compression_ratio 0.5 with the default first stage
+# (0.5); ``observed_attention_layer{i}``: ObservedAttentionPress on the attention weights of an eager run.
+
+
+class LayerRotary(torch.nn.Module):
+    """The model's rotary embedding for one layer: kvpress calls ``module.rotary_emb(x, position_ids)``, and
+    Gemma 3's (one table per layer type) needs the layer's type, which the model's own forward passes."""
+
+    def __init__(self, rotary: torch.nn.Module, layer_type: str | None):
+        super().__init__()
+        self.rotary, self.layer_type = rotary, layer_type
+
+    def forward(self, x, position_ids):
+        if self.layer_type is None:
+            return self.rotary(x, position_ids)
+        return self.rotary(x, position_ids, self.layer_type)
+
+
+def expected_and_critical_presses(model) -> dict:
+    """ExpectedAttention and CriticalKV presses; gives every attention module the rotary embedding that
+    kvpress's own hook would attach (bound to the layer's type where the model has several)."""
+    import inspect
+
+    from kvpress import CriticalKVPress, ExpectedAttentionPress
+
+    rotary = model.model.rotary_emb
+    typed = "layer_type" in inspect.signature(rotary.forward).parameters
+    for layer in model.model.layers:
+        layer.self_attn.rotary_emb = LayerRotary(rotary, layer.self_attn.config.layer_types[layer.self_attn.layer_idx]
+                                                 if typed else None)
+    return {
+        "expected_attention": ExpectedAttentionPress(),
+        "criticalkv": CriticalKVPress(SnapKVPress(window_size=16, kernel_size=5), first_stage_ratio=0.0),
+        "criticalkv_two_stage": CriticalKVPress(SnapKVPress(compression_ratio=0.5, window_size=16, kernel_size=5)),
+    }
+
+
+def observed_attention_scores(model_dir: str, ids: torch.Tensor) -> dict[str, np.ndarray]:
+    """ObservedAttentionPress's scores per layer, from the attention weights of an eager run (what its hook
+    needs), {"observed_attention_layer{i}": (batch, kv_heads, n) float64}."""
+    from kvpress import ObservedAttentionPress
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    press, arrays = ObservedAttentionPress(), {}
+
+    def hook(module, inputs, kwargs, output):
+        keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
+        scores = press.score(module, kwargs["hidden_states"], keys, values, output[1], kwargs)
+        arrays[f"observed_attention_layer{module.layer_idx}"] = scores.double().numpy()
+        return output
+
+    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return arrays
 
 
 if __name__ == "__main__":

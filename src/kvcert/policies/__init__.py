@@ -1,6 +1,8 @@
 """Scoring policies, one per module, registered by name."""
 
-from . import h2o, knorm, snapkv, streamingllm, tova, uniform  # noqa: F401  (registration)
-from .base import POLICIES, LayerView, Policy, get_policy, register_policy
+from . import (  # noqa: F401  (registration)
+    criticalkv, expected_attention, h2o, knorm, observed_attention, snapkv, streamingllm, tova, uniform,
+)
+from .base import POLICIES, LayerView, Policy, get_policy, prefill_needs, register_policy
 
-__all__ = ["POLICIES", "LayerView", "Policy", "get_policy", "register_policy"]
+__all__ = ["POLICIES", "LayerView", "Policy", "get_policy", "prefill_needs", "register_policy"]

@@ -12,6 +12,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..query_statistics import QueryStatistics
+
 
 @dataclass(frozen=True)
 class LayerView:
@@ -20,7 +22,11 @@ class LayerView:
     keys, values: (batch, kv_heads, n, head_dim) post-RoPE keys and values of the prefix;
     window_queries: (batch, q_heads, w, head_dim) post-RoPE queries of the last w prefix positions;
     accumulated_attention: (batch, q_heads, n) column sums of the prefill attention, or None when not
-    collected; scale: the attention scale of the layer; sliding_window: the layer's window or None.
+    collected; scale: the attention scale of the layer; sliding_window: the layer's window or None;
+    query_statistics: the prefix queries' mean and covariance before RoPE and the layer's rotary tables after
+    the prefix (``kvcert.query_statistics.QueryStatistics``; ExpectedAttention), or None when not collected;
+    output_projection: (hidden, q_heads·head_dim) the layer's output projection weight W_o (CriticalKV), or
+    None where the model has none by that name.
     """
 
     keys: torch.Tensor
@@ -29,6 +35,8 @@ class LayerView:
     accumulated_attention: torch.Tensor | None
     scale: float
     sliding_window: int | None = None
+    query_statistics: QueryStatistics | None = None
+    output_projection: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -58,10 +66,14 @@ class LayerView:
 
 
 class Policy(Protocol):
-    """A scoring policy: ``score(view) -> (batch, kv_heads, n)`` non-negative importance."""
+    """A scoring policy: ``score(view) -> (batch, kv_heads, n)`` non-negative importance.
+
+    needs_accumulated_attention / needs_query_statistics: what the prefill must collect for it (each costs
+    the prefill a pass; collected only when a policy of the run asks)."""
 
     name: str
     needs_accumulated_attention: bool
+    needs_query_statistics: bool
     certain_top_slice: bool  # False: the randomized design samples every non-sink, non-recent token
 
     def score(self, view: LayerView, generator: torch.Generator | None = None) -> torch.Tensor: ...
@@ -77,10 +89,21 @@ def register_policy(name: str):
         cls.name = name
         if not hasattr(cls, "certain_top_slice"):
             cls.certain_top_slice = True
+        if not hasattr(cls, "needs_query_statistics"):
+            cls.needs_query_statistics = False
         POLICIES[name] = cls
         return cls
 
     return wrap
+
+
+def prefill_needs(names, policy_options: dict | None = None) -> dict[str, bool]:
+    """What a prefill must collect for the policies ``names`` built with their ``policy_options`` ({name:
+    {option: value}}): the keywords ``accumulate`` and ``query_statistics`` of ``kvcert.prefill``."""
+    options = policy_options or {}
+    policies = [get_policy(name, **options.get(name, {})) for name in names]
+    return {"accumulate": any(p.needs_accumulated_attention for p in policies),
+            "query_statistics": any(p.needs_query_statistics for p in policies)}
 
 
 # Old names: a config that still uses one gets a line saying what it is called now.

@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from ..generation import FULL, Prefill, decode_batch, eos_ids, item_seed, prefill, select
 from ..kernels import attention_path
 from ..models import ModelSpec, load_model
-from ..policies import get_policy
+from ..policies import prefill_needs
 from ..prompts import PromptIds, build_prompt, model_limit
 from ..provenance import code_fingerprint, sha256_file, short
 from ..schema import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS
@@ -96,10 +96,10 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
     prompt: the item's token ids from ``item_prompt``.
     """
     max_new = int(item.max_new_tokens)
-    accumulate = any(get_policy(p).needs_accumulated_attention for p in cell.all_policies)
+    needs = prefill_needs(cell.all_policies, cell.policy_options)
     start = time.perf_counter()
     state: Prefill = prefill(model, prompt.prefix_ids, prompt.suffix_ids, setting=cell.setting,
-                             observation_window=cell.observation_window, accumulate=accumulate,
+                             observation_window=cell.observation_window, **needs,
                              policy_options=cell.policy_options)
     timings["prefill"] += time.perf_counter() - start
     stop = eos_ids(model, tokenizer)

@@ -226,7 +226,7 @@ def _policy_options(cfg: Mapping[str, Any]) -> dict:
             if key not in fields:
                 raise ConfigError(f"policy_options.{name}.{key}: unknown option; known: {sorted(fields) or 'none'}")
             kind = type(fields[key].default)
-            if isinstance(value, bool) or not isinstance(value, kind):
+            if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):  # bool is an int
                 raise ConfigError(f"policy_options.{name}.{key}={value!r}: expected {kind.__name__}")
         try:
             POLICIES[name](**options).score  # noqa: B018 - construct it: the dataclass checks its own values
