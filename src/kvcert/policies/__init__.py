@@ -1,6 +1,6 @@
 """Scoring policies, one per module, registered by name."""
 
-from . import h2o, knorm, snapkv, streamingllm, tova, uniform  # noqa: F401  (registration)
+from . import cur, h2o, keydiff, knorm, lagkv, snapkv, streamingllm, tova, uniform  # noqa: F401  (registration)
 from .base import POLICIES, LayerView, Policy, get_policy, register_policy
 
 __all__ = ["POLICIES", "LayerView", "Policy", "get_policy", "register_policy"]
