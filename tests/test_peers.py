@@ -22,7 +22,7 @@ kvpress's own presses' ``score``. Per layer and KV head, for every key of the pr
   with a lag too long for the prompt (LagKV then ranks by recency after the sinks), in every layer whose keys and
   values have no channel that is zero at every position. Gemma 3 has such key channels in some layers (a zero
   weight of its key norm): kvpress's min-max scaling divides 0 by 0 there, so its cross_scoring scores are NaN
-  and its ranks an order of NaNs (checked); kvcert leaves a channel without range out of the spread, and equals
+  (checked) and its ranks an order of NaNs; kvcert leaves a channel without range out of the spread, and equals
   what kvpress's own spread (its ``_get_states_score``) gives on the other channels, combined as its ``score``
   combines it (tests/peers/kvpress_scores.py).
 * CUR (CurDKV, Sengupta et al., 2025): equal for every key after the first 4, with the default options and with
@@ -193,8 +193,10 @@ def test_lagkv_equals_kvpress(compared):
     n = ids.shape[-1]
     assert 4 + 2 * 128 <= n < 4 + 2 * 600  # the default lag scores some partitions, lag 600 none
     views = kvcert.prefill(model, ids).layer_views()
+    dead_layers = []
     for i, view in enumerate(views):
         dead = [bool(((x == 0).all(dim=-2)).any()) for x in (view.keys, view.values)]  # an all-zero channel
+        dead_layers += [i] if any(dead) else []
         for name, options in LAGKV_CASES.items():
             mine, theirs = get_policy("lagkv", **options).score(view).double().numpy(), peer[f"{name}_layer{i}"]
             assert mine.shape == theirs.shape
@@ -206,6 +208,7 @@ def test_lagkv_equals_kvpress(compared):
                 theirs = peer[f"{name}_live_layer{i}"]
             np.testing.assert_allclose(mine, theirs, rtol=RTOL, atol=ATOL, err_msg=message)
             assert len(np.unique(mine)) > 10  # partitions were ranked (or the recency ramp applied)
+    assert bool(dead_layers) == (model_name == "gemma3"), dead_layers  # the difference above is exercised
 
 
 CUR_CASES = {"cur": {}, "cur_global_kvavg": {"local_window_size": None, "leverage": "kv_avg"}}
