@@ -330,3 +330,42 @@ def test_recorded_trace_matches_hajek_attention_on_the_captured_queries(setting)
     assert checked == len(steps) == n_steps * 2 * 2  # every recorded (step, layer, kv_head) was checked
     assert windowed > 0  # the sliding window did hide sampled slots from some query
     assert float(steps.max()) > 0
+
+
+# Policies that score from the cached keys and values alone; LagKV's lag is shortened so that a 160-token prompt has
+# partitions to rank, CUR's block so that several blocks fit.
+KEY_VALUE_SCORERS = {"keydiff": {}, "lagkv": {"lag_size": 16}, "cur": {"local_window_size": 8}}
+
+
+@pytest.mark.parametrize("policy", sorted(KEY_VALUE_SCORERS))
+@pytest.mark.parametrize("setting", ["question_aware", "streaming"])
+def test_key_value_scorers_compress_in_both_designs(policy, setting):
+    """On the tiny Gemma3 (4 query heads over 2 KV heads; layer 0 with an 8-token sliding window): top-k keeps every
+    certain slot and, past them, scores no lower than any it drops; Poisson samples a tail and certifies; both
+    decode."""
+    _, model, _ = _build("gemma3")
+    context, question = _prompt(12, n_context=160)
+    prefix, suffix = (torch.cat([context, question], -1), None) if setting == "question_aware" else (context, question)
+    options = {policy: KEY_VALUE_SCORERS[policy]}
+    state = kvcert.prefill(model, prefix, suffix, setting=setting, policy_options=options)
+    n = state.context_tokens
+    expected = retained_count(0.3, n)
+    certain = torch.zeros(n, dtype=torch.bool)
+    certain[:4] = certain[n - 32:] = True  # the default sinks and recent window
+    for design in ("topk", "poisson"):
+        selections = kvcert.select(state, policy, design, 0.3, seed=4)
+        decoded = kvcert.decode(model, state, selections, max_new_tokens=3, certify=True)
+        assert np.isfinite(decoded.logprobs).all() and len(decoded.token_ids) == 3
+        if design == "topk":
+            for scores, sel in zip(state.scores(policy), selections):
+                assert bool((sel.retained == expected).all())
+                for h in range(scores.shape[1]):
+                    kept = torch.zeros(n, dtype=torch.bool)
+                    kept[sel.index[0, h]] = True
+                    assert bool(kept[certain].all())
+                    assert float(scores[0, h][kept & ~certain].min()) >= float(scores[0, h][~kept].max())
+        else:
+            assert any(sel.has_tail for sel in selections)
+            assert np.isfinite(decoded.steps["cert"]).all() and (decoded.steps["trace_var"] > 0).any()
+    # the scores are per KV head: the two heads of a layer rank the tokens differently
+    assert any(bool((scores[0, 0] != scores[0, 1]).any()) for scores in state.scores(policy))

@@ -18,6 +18,21 @@ kvpress's own presses' ``score``. Per layer and KV head, for every key of the pr
   relation between the two.
 * ExpectedAttention, CriticalKV and ObservedAttention: where and why they differ is stated at their tests,
   in the block of that name at the end.
+* KeyDiff (Park et al., 2025): kvcert scores 1 - cos(k, anchor), kvpress -cos(k, anchor): checked as kvcert =
+  1 + kvpress (the shift keeps the Poisson design's scores non-negative; the order is the same).
+* LagKV (Liang et al., 2025): equal for every key, with the default options, with lag 32 and cross_scoring, and
+  with a lag too long for the prompt (LagKV then ranks by recency after the sinks), in every layer whose keys and
+  values have no channel that is zero at every position. Gemma 3 has such key channels in some layers (a zero
+  weight of its key norm): kvpress's min-max scaling divides 0 by 0 there, so its cross_scoring scores are NaN
+  (checked) and its ranks an order of NaNs; kvcert leaves a channel without range out of the spread, and equals
+  what kvpress's own spread (its ``_get_states_score``) gives on the other channels, combined as its ``score``
+  combines it (tests/peers/kvpress_scores.py).
+* CUR (CurDKV, Sengupta et al., 2025): equal for every key after the first 4, with the default options and with
+  no local window and leverage kv_avg. kvpress overwrites its 4 sink keys' scores with 1 (checked); kvcert
+  leaves the sinks to the design, which keeps its n_sink (4 by default) first keys with certainty. The sketched
+  variant (kvpress's use_random_leverage, kvcert's sketch_dimension: 20) draws its projection at random: kvcert's
+  with a generator seeded s equals kvpress's after torch.manual_seed(s) (the same draw), checked with one seed
+  per layer, and differs from the unsketched scores.
 """
 
 from __future__ import annotations
@@ -298,3 +313,68 @@ def test_observed_attention_equals_kvpress_and_is_h2o_normalised(scorer_prefill)
         np.testing.assert_allclose(h2o.double().numpy(), mine * queries_seeing, rtol=1e-6, atol=0,
                                    err_msg=f"{model_name} layer {i}")
         assert np.abs(h2o.double().numpy() - mine).max() > 1e-3  # the normalisation is not a no-op
+
+
+# ------------------------------------------------------------------------------------------------ KeyDiff, LagKV, CUR
+
+
+def test_keydiff_is_one_plus_kvpress(compared):
+    model_name, model, ids, _, peer = compared
+    state = kvcert.prefill(model, ids)
+    for i, mine in enumerate(state.scores("keydiff")):
+        theirs = peer[f"keydiff_layer{i}"]  # -cos(k, anchor), in [-1, 1]
+        assert mine.shape == theirs.shape and (mine >= 0).all()
+        # rounding is relative to the cosine (|cos| <= 1), not to the shifted score, which can be near 0
+        np.testing.assert_allclose(mine.double().numpy() - 1.0, theirs, rtol=RTOL, atol=RTOL,
+                                   err_msg=f"{model_name} layer {i}")
+        assert np.ptp(theirs) > 0.1  # the keys' directions do differ: the relation is not met by constants
+
+
+LAGKV_CASES = {"lagkv": {}, "lagkv_lag32_cross": {"lag_size": 32, "cross_scoring": True},
+               "lagkv_lag600": {"lag_size": 600}}
+
+
+def test_lagkv_equals_kvpress(compared):
+    model_name, model, ids, _, peer = compared
+    n = ids.shape[-1]
+    assert 4 + 2 * 128 <= n < 4 + 2 * 600  # the default lag scores some partitions, lag 600 none
+    views = kvcert.prefill(model, ids).layer_views()
+    dead_layers = []
+    for i, view in enumerate(views):
+        dead = [bool(((x == 0).all(dim=-2)).any()) for x in (view.keys, view.values)]  # an all-zero channel
+        dead_layers += [i] if any(dead) else []
+        for name, options in LAGKV_CASES.items():
+            mine, theirs = get_policy("lagkv", **options).score(view).double().numpy(), peer[f"{name}_layer{i}"]
+            assert mine.shape == theirs.shape
+            message = f"{model_name} layer {i}, {name}"
+            if any(dead) and name == "lagkv_lag32_cross":
+                assert np.isnan(theirs).any(), message  # 0 / 0 in kvpress's min-max scaling
+            if any(dead) and name != "lagkv_lag600":
+                # the dead channels have no range in any partition: kvcert leaves them out, as removing them does
+                theirs = peer[f"{name}_live_layer{i}"]
+            np.testing.assert_allclose(mine, theirs, rtol=RTOL, atol=ATOL, err_msg=message)
+            assert len(np.unique(mine)) > 10  # partitions were ranked (or the recency ramp applied)
+    assert bool(dead_layers) == (model_name == "gemma3"), dead_layers  # the difference above is exercised
+
+
+CUR_CASES = {"cur": {}, "cur_global_kvavg": {"local_window_size": None, "leverage": "kv_avg"}}
+KVPRESS_CUR_SINKS = 4
+
+
+def test_cur_equals_kvpress_after_its_sinks(compared):
+    model_name, model, ids, _, peer = compared
+    sinks = KVPRESS_CUR_SINKS
+    views = kvcert.prefill(model, ids).layer_views()
+    seed = int(peer["cur_sketch_seed"])
+    for name, options in {**CUR_CASES, "cur_sketch20": {"sketch_dimension": 20}}.items():
+        policy = get_policy("cur", **options)
+        for i, view in enumerate(views):
+            generator = torch.Generator().manual_seed(seed + i)  # kvpress drew after torch.manual_seed(seed + i)
+            mine, theirs = policy.score(view, generator).double().numpy(), peer[f"{name}_layer{i}"]
+            assert mine.shape == theirs.shape
+            np.testing.assert_allclose(mine[..., sinks:], theirs[..., sinks:], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{model_name} layer {i}, {name}")
+            assert (theirs[..., :sinks] == 1.0).all() and (mine[..., :sinks] < 1.0).all()
+            np.testing.assert_allclose(mine.sum(-1), 1.0, rtol=1e-5)
+            if name == "cur_sketch20":  # the projection changes the scores: the equality above is the same draw's
+                assert np.abs(mine - get_policy("cur").score(view).double().numpy()).max() > 1e-6

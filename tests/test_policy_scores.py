@@ -368,3 +368,121 @@ def test_expected_attention_statistics_through_the_prefill(captured_prefill):
         for mine, before in zip(with_stats.scores(name), state.scores(name)):
             torch.testing.assert_close(mine, before)
     assert all(torch.isfinite(s).all() for s in with_stats.scores("expected_attention"))
+
+
+# --------------------------------------------------------------------------- KeyDiff, LagKV, CUR (keys and values only)
+
+
+def _states(view: LayerView) -> tuple[np.ndarray, np.ndarray]:
+    """(hk, n, d) float64 keys and values of the view's one batch row."""
+    return view.keys[0].double().numpy(), view.values[0].double().numpy()
+
+
+def test_keydiff_is_one_minus_the_cosine_to_the_mean_unit_key():
+    """KeyDiff (Park et al., 2025): per KV head, 1 - cos(k_i, a) with a the mean of the keys scaled to unit length."""
+    view = _view()
+    keys, _ = _states(view)
+    expected = np.zeros((HK, N))
+    for kv in range(HK):
+        anchor = np.mean([k / math.sqrt(k @ k) for k in keys[kv]], axis=0)
+        for i, k in enumerate(keys[kv]):
+            expected[kv, i] = 1 - (k @ anchor) / math.sqrt((k @ k) * (anchor @ anchor))
+    np.testing.assert_allclose(_score("keydiff", view), expected, rtol=RTOL, atol=1e-6)
+    # the anchor is the mean direction, not the mean key: the mean key gives other scores here
+    mean_key = keys.mean(axis=1, keepdims=True)
+    cos_mean_key = (keys * mean_key).sum(-1) / np.linalg.norm(keys, axis=-1) / np.linalg.norm(mean_key, axis=-1)
+    assert np.abs((1 - cos_mean_key) - expected).max() > 1e-3
+
+
+def _lagkv_reference(view: LayerView, n_sink: int, lag: int, cross: bool) -> np.ndarray:
+    """LagKV (Liang et al., 2025) written out token by token: (hk, n)."""
+    keys, values = _states(view)
+    out = np.ones((HK, N))
+    if N < n_sink + 2 * lag:  # no partition has a successor: recency after the sinks
+        out[:, n_sink:] = np.arange(N - n_sink) / (N - n_sink)
+        return out
+    partitions = (N - n_sink) // lag
+    for kv in range(HK):
+        for p in range(partitions - 1):
+            start = n_sink + p * lag
+            spreads = np.zeros(lag)
+            for states in (keys[kv], values[kv]):
+                ref = states[start + lag: start + 2 * lag]
+                low, high = ref.min(axis=0), ref.max(axis=0)
+                live = high > low  # a channel without range in the reference partition is left out
+                std = np.array([np.std((states[start + t, live] - low[live]) / (high - low)[live], ddof=1)
+                                for t in range(lag)])
+                spreads += np.exp(std) / np.exp(std).sum() / 2  # softmax over the partition, mean of keys and values
+            if not cross:
+                spreads = np.array([(spreads < s).sum() for s in spreads]) / lag  # rank within the partition
+            out[kv, start: start + lag] = spreads
+    return out
+
+
+@pytest.mark.parametrize("options", [dict(n_sink=2, lag_size=4), dict(n_sink=3, lag_size=4, cross_scoring=True),
+                                     dict(n_sink=0, lag_size=5), dict(n_sink=2, lag_size=10)],
+                         ids=["ranks", "cross", "no-sinks-dead-channel", "too-short"])
+def test_lagkv_scores_each_partition_against_the_next(options):
+    view = _view()
+    if options["n_sink"] == 0:  # and a key channel that is zero everywhere (as a norm's zero weight makes one)
+        keys = view.keys.clone()
+        keys[:, 0, :, 1] = 0
+        view = LayerView(keys, view.values, view.window_queries, None, view.scale, view.sliding_window)
+    expected = _lagkv_reference(view, options["n_sink"], options["lag_size"], options.get("cross_scoring", False))
+    scores = get_policy("lagkv", **options).score(view)[0].double().numpy()
+    np.testing.assert_allclose(scores, expected, rtol=RTOL, atol=ATOL)
+    assert (expected < 1).sum() >= 8  # scored, not all ones
+    partitioned = options["n_sink"] + 2 * options["lag_size"] <= N
+    assert (np.abs(expected[0] - expected[1]).max() > 0) == partitioned  # ranked per KV head, or the recency ramp
+
+
+def test_lagkv_and_cur_reject_bad_options():
+    for name, options, message in [("lagkv", {"lag_size": 1}, "lag_size=1"), ("lagkv", {"n_sink": -1}, "n_sink=-1"),
+                                   ("lagkv", {"cross_scoring": "yes"}, "cross_scoring='yes'"),
+                                   ("cur", {"leverage": "both"}, "leverage='both'"),
+                                   ("cur", {"local_window_size": 0}, "local_window_size=0"),
+                                   ("cur", {"sketch_dimension": 2.5}, "sketch_dimension=2.5")]:
+        with pytest.raises(ValueError, match=message):
+            get_policy(name, **options)
+
+
+def _cur_reference(keys: np.ndarray, values: np.ndarray, leverage: str, window: int | None) -> np.ndarray:
+    """CurDKV (Sengupta et al., 2025) as kvpress approximates its leverage scores: (hk, n)."""
+    def shares(mass):  # each token's squared norm over its block's total
+        if window is None:
+            return mass
+        out = np.zeros_like(mass)
+        for start in range(0, mass.shape[-1], window):
+            block = mass[:, start: start + window]
+            out[:, start: start + window] = block / block.sum(axis=-1, keepdims=True)
+        return out
+
+    k2, v2 = shares((keys ** 2).sum(-1)), shares((values ** 2).sum(-1))
+    combined = {"key": k2, "value": v2, "kv_avg": (k2 + v2) / 2, "kv_product": k2 * v2}[leverage]
+    return combined / combined.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("leverage", ["key", "value", "kv_avg", "kv_product"])
+@pytest.mark.parametrize("window", [3, None])
+def test_cur_is_the_normalised_local_leverage(leverage, window):
+    view = _view()
+    keys, values = _states(view)
+    expected = _cur_reference(keys, values, leverage, window)
+    scores = get_policy("cur", leverage=leverage, local_window_size=window).score(view)[0].double().numpy()
+    np.testing.assert_allclose(scores, expected, rtol=RTOL, atol=ATOL)
+    if window is not None:  # the local blocks matter
+        assert np.abs(_cur_reference(keys, values, leverage, None) - expected).max() > 1e-4
+
+
+def test_cur_sketch_is_the_generators_gaussian_projection():
+    """sketch_dimension r: keys and values times one (head_dim, r) Gaussian / sqrt(r), drawn first from the generator:
+    the same seed gives the same scores, another seed other scores."""
+    view = _view()
+    keys, values = _states(view)
+    sketch = torch.randn(D, 3, generator=torch.Generator().manual_seed(11)).double().numpy() / math.sqrt(3)
+    expected = _cur_reference(keys @ sketch, values @ sketch, "kv_product", 16)
+    policy = get_policy("cur", sketch_dimension=3)
+    scores = policy.score(view, torch.Generator().manual_seed(11))[0].double().numpy()
+    np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=ATOL)
+    other = policy.score(view, torch.Generator().manual_seed(12))[0].double().numpy()
+    assert np.abs(other - expected).max() > 1e-3

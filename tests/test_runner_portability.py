@@ -31,12 +31,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvcert
+
 from helpers.cells import check_cell, expected_configurations, run_cell
 from helpers.tiny_gguf import converted_dir, shared_kvcert_cache, shared_tiny_gguf, write_tiny_gguf
 from helpers.tokenizer import byte_level_tokenizer
 from helpers.workload import max_new_tokens, write_workload
 
-POLICIES = ["snapkv", "h2o", "tova", "knorm", "streamingllm", "uniform"]
+POLICIES = sorted(kvcert.POLICIES)  # every registered policy, so a new one is run on every architecture
 DESIGNS = ["topk", "poisson"]
 SETTINGS = ["question_aware", "streaming"]
 GRID = [f"policies=[{','.join(POLICIES)}]", f"designs=[{','.join(DESIGNS)}]", "budgets=[0.5]", "seeds=[0]"]
