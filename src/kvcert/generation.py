@@ -27,6 +27,7 @@ from .kernels import attention_path
 from .policies import LayerView, get_policy
 from .prompts import SETTINGS, build_prompt, check_setting, model_limit
 from .schema import STEP_COLUMNS
+from .targets import calibrated_scales, check_target, targeted_selections
 
 FULL = "full"
 RUN = defaults.RUN  # the run schema: the defaults here are a cell's
@@ -378,6 +379,7 @@ class GenerationResult(Decoded):
     seed: int = 0
     setting: str = "question_aware"
     context_tokens: int = 0
+    target_choice: pd.DataFrame | None = None  # with a target: kvcert.targets.CHOICE_COLUMNS per layer and KV head
 
 
 def generate(
@@ -403,6 +405,8 @@ def generate(
     max_context_tokens: int | None = RUN.max_context_tokens,
     truncate: str = RUN.truncate,
     calibration=None,
+    target_error: float | None = None,
+    target_delta: float | None = None,
 ) -> GenerationResult:
     """Generate an answer to ``question`` about ``context`` on a compressed cache, with certificates.
 
@@ -416,8 +420,12 @@ def generate(
     given; calibration: a ``kvcert.calibration.Calibration``, a path to one (``kvcert-calibrate``), or
     ``"design"`` (the data-free correction), which adds the calibrated certificate to ``steps``
     (``cert_calibrated``, and ``coverage_calibrated`` with the oracle); a file fitted on another model or
-    other design knobs raises ``CalibrationError``.
+    other design knobs raises ``CalibrationError``; target_error, target_delta: a target relative error ε at
+    level δ (default ``delta``) for design ``poisson``, the budget being its cap (``kvcert.targets``): per layer
+    and KV head the smallest expected sample whose certificate (the calibrated one, given a calibration file),
+    predicted on the observation window's queries, is within ε; the choice is ``target_choice``.
     """
+    target = None if full else check_target(design, target_error, target_delta)
     prompt = build_prompt(tokenizer, context, question, answer_prefix, setting=setting,
                           max_new_tokens=max_new_tokens, limit=model_limit(model, max_context_tokens),
                           truncate=truncate)
@@ -432,7 +440,14 @@ def generate(
     state = prefill(model, prompt.prefix_ids, prompt.suffix_ids, setting=setting,
                     observation_window=observation_window, accumulate=needs_acc, policy_options=policy_options)
     draw = seed if item_id is None else item_seed(seed, item_id)
-    selections = None if full else select(state, policy, design, budget, draw, options)
+    choice = None
+    if target is not None:
+        scales = None if calibration is None else calibrated_scales(
+            calibration, setting=setting, policy=policy, budget=budget, n_layers=len(state.cache.layers))
+        selections, choice = targeted_selections(state.layer_views(), state.scores(policy), target, budget, options,
+                                                 draw, get_policy(policy).certain_top_slice, scales)
+    else:
+        selections = None if full else select(state, policy, design, budget, draw, options)
     decoded = decode(
         model, state, selections, max_new_tokens=max_new_tokens, stop_ids=eos_ids(model, tokenizer),
         certify=certify, oracle=oracle, delta=delta, randomized=(not full and design == "poisson"),
@@ -446,5 +461,5 @@ def generate(
                                             budget=budget, setting=setting, checked=True)
     return GenerationResult(
         **fields, policy=policy, design=FULL if full else design, budget=1.0 if full else budget, seed=seed,
-        setting=setting, context_tokens=state.context_tokens,
+        setting=setting, context_tokens=state.context_tokens, target_choice=choice,
     )
