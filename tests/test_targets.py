@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 
@@ -175,3 +176,67 @@ def test_the_design_draws_at_the_chosen_probabilities():
         index = selection.index[0, h][valid]
         torch.testing.assert_close(kept_pi[0, h][valid], choice.pi[0, h][index])
         assert torch.equal(torch.sort(index).values, index)
+
+
+# --- end to end: generate(target_error=...) on a tiny random-weight Llama ---------------------------------------
+
+
+def _tiny():
+    from helpers.tiny_models import COMMON
+    from helpers.tokenizer import byte_level_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer)})).eval()
+    context = "the sky is blue. " * 30 + "the key is 4711. " + "grass is green. " * 30
+    return model, tokenizer, dict(context=context, question="what is the key?", policy="snapkv", design="poisson",
+                                  max_new_tokens=4, oracle=True)
+
+
+def test_generate_with_a_target_keeps_the_chosen_sizes_and_logs_them(monkeypatch):
+    import kvcert
+
+    model, tokenizer, args = _tiny()
+    # random weights attend almost uniformly: relative certificates are large, so the targets are too
+    loose = kvcert.generate(model, tokenizer, **args, budget=1.0, target_error=1.0)
+    tight = kvcert.generate(model, tokenizer, **args, budget=1.0, target_error=0.2, target_delta=0.05)
+    capped = kvcert.generate(model, tokenizer, **args, budget=0.25, target_error=0.2)
+    n_layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    for result, error in ((loose, 1.0), (tight, 0.2), (capped, 0.2)):
+        choice = result.target_choice
+        assert len(choice) == n_layers * kv_heads and list(choice["layer"].unique()) == list(range(n_layers))
+        assert (choice["expected_count"] <= choice["cap_count"]).all()
+        assert (choice["predicted_rel_cert"][choice["met"]] <= error).all()
+        assert (choice.loc[~choice["met"], "expected_count"] == choice.loc[~choice["met"], "cap_count"]).all()
+        # the cache holds what was drawn at the chosen sizes, nothing of the cap beyond them
+        assert result.retained_tokens == pytest.approx(choice["retained"].mean())
+        assert not result.steps.empty and result.steps["true_err"].notna().all()
+    assert loose.target_choice["met"].all() and tight.target_choice["met"].all()
+    assert not capped.target_choice["met"].any()
+    assert (loose.target_choice["expected_count"] < loose.target_choice["cap_count"]).all()
+    assert (tight.target_choice["expected_count"] > loose.target_choice["expected_count"]).all()
+    assert loose.retained_tokens < tight.retained_tokens
+
+    monkeypatch.setattr(kvcert.generation, "prefill", lambda *a, **k: pytest.fail("computed before refusing"))
+    with pytest.raises(ValueError, match="needs design 'poisson'"):
+        kvcert.generate(model, tokenizer, **{**args, "design": "topk"}, budget=0.5, target_error=0.1)
+    with pytest.raises(ValueError, match="target_error=0.0: must be a number > 0"):
+        kvcert.generate(model, tokenizer, **args, budget=0.5, target_error=0.0)
+
+
+def test_generate_checks_the_target_against_the_calibrated_certificate():
+    import kvcert
+    from kvcert.calibration import design_knobs, fit_calibration, model_identity
+
+    model, tokenizer, args = _tiny()
+    plain = kvcert.generate(model, tokenizer, **args, budget=0.3)
+    steps = pd.concat([plain.steps.assign(item_id=f"i{i}", policy="snapkv", design="poisson", budget=0.3, seed=0,
+                                          setting="question_aware") for i in range(20)], ignore_index=True)
+    cal = fit_calibration(steps, model=model_identity(model), design=design_knobs())
+    paper = kvcert.generate(model, tokenizer, **args, budget=0.3, target_error=0.3)
+    calibrated = kvcert.generate(model, tokenizer, **args, budget=0.3, target_error=0.3, calibration=cal)
+    assert (calibrated.target_choice["expected_count"] >= paper.target_choice["expected_count"]).all()
+    assert (calibrated.target_choice["predicted_rel_cert"] >= paper.target_choice["predicted_rel_cert"] - 1e-9).all()
+    with pytest.raises(ValueError, match="fitted calibration file only"):
+        kvcert.generate(model, tokenizer, **args, budget=0.3, target_error=0.3, calibration="design")

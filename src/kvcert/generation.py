@@ -425,7 +425,7 @@ def generate(
     and KV head the smallest expected sample whose certificate (the calibrated one, given a calibration file),
     predicted on the observation window's queries, is within ε; the choice is ``target_choice``.
     """
-    target = None if full else check_target(design, target_error, target_delta)
+    target = None if policy == FULL else check_target(design, target_error, target_delta)
     prompt = build_prompt(tokenizer, context, question, answer_prefix, setting=setting,
                           max_new_tokens=max_new_tokens, limit=model_limit(model, max_context_tokens),
                           truncate=truncate)
