@@ -40,8 +40,10 @@ def test_a_cell_is_identified_by_the_knobs_that_change_what_it_computes():
               "n_shards", "oracle", "certify", "delta", "observation_window", "design_options", "max_context_tokens",
               "truncate", "store_steps", "policy_options", "calibration", "shard_by"}
     assert set(defaults.IDENTITY_KEYS) == before
+    # keys that identify a cell only when set (a target): cells without them keep the identity above
+    assert set(defaults.WHEN_SET_KEYS) == {"target_error", "target_delta"}
     assert set(defaults.KEYS) - set(defaults.IDENTITY_KEYS) == {"out_dir", "progress", "threads",
-                                                               "check_calibration_prompts"}
+                                                               "check_calibration_prompts", *defaults.WHEN_SET_KEYS}
 
 
 def test_the_calibration_is_bound_to_the_schema_design_knobs():

@@ -240,3 +240,73 @@ def test_generate_checks_the_target_against_the_calibrated_certificate():
     assert (calibrated.target_choice["predicted_rel_cert"] >= paper.target_choice["predicted_rel_cert"] - 1e-9).all()
     with pytest.raises(ValueError, match="fitted calibration file only"):
         kvcert.generate(model, tokenizer, **args, budget=0.3, target_error=0.3, calibration="design")
+
+
+# --- the run schema and kvcert-run ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["target_error=0"], "target_error=0.0: must be a number > 0"),
+    (["target_error=0.1", "target_delta=1.5"], r"target_delta=1.5: must lie in (0, 1)"),
+    (["target_error=0.1", "designs=[topk,poisson]"], "target_error=0.1 needs design 'poisson' (a Poisson sample of "
+                                                      "the chosen size); got design 'topk'"),
+    (["target_delta=0.1"], "target_delta=0.1 is set but target_error is null: give both or neither"),
+    (["target_error=0.1", "designs=[poisson]", "calibration=design"], "calibration='design': a target is checked "
+     "against a fitted calibration file only (the data-free 'design' correction depends on the realized sample)"),
+])
+def test_a_bad_target_in_a_cell_config_fails_validation_with_one_line(overrides, message):
+    from kvcert.errors import ConfigError
+    from kvcert.hydra_app import compose
+    from kvcert.runner.config import validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose([*overrides, "out_dir=x"]))
+    assert str(err.value) == message
+
+
+def test_a_cell_without_a_target_keeps_its_identity_and_its_config_yaml():
+    from omegaconf import OmegaConf
+
+    from kvcert.hydra_app import compose
+    from kvcert.runner.cell import _identity, _written_config
+
+    cfg = compose(["out_dir=x"])
+    written = OmegaConf.to_yaml(_written_config(cfg), resolve=True)
+    before = "".join(line for line in OmegaConf.to_yaml(cfg, resolve=True).splitlines(keepends=True)
+                     if not line.startswith(("target_error:", "target_delta:")))
+    assert written == before and "target" not in written
+    assert not any(k.startswith("target") for k in _identity(cfg, [], "f")["config"])
+    targeted = compose(["out_dir=x", "target_error=0.1", "designs=[poisson]"])
+    assert _identity(targeted, [], "f")["config"]["target_error"] == 0.1
+    assert "target_error: 0.1\n" in OmegaConf.to_yaml(_written_config(targeted), resolve=True)
+
+
+def test_kvcert_run_with_a_target_writes_the_choice_per_item_layer_and_head(tmp_path):
+    """A target cell in process on a tiny Llama saved with save_pretrained and a two-item workload."""
+    import yaml
+    from helpers.tokenizer import byte_level_tokenizer
+    from helpers.workload import write_workload
+
+    from kvcert.hydra_app import compose
+    from kvcert.runner.cell import run_cell
+
+    model, tokenizer, _ = _tiny()
+    directory = tmp_path / "tiny-llama"
+    model.save_pretrained(directory)
+    byte_level_tokenizer().save_pretrained(directory)
+    path, records = write_workload(tmp_path / "items.jsonl")
+    cfg = compose(["data=jsonl", f"data.path={path}", "model=hf", f"model.name={directory}", "policies=[snapkv]",
+                   "designs=[poisson]", "budgets=[0.9]", "n_items=2", "threads=1", "progress=false",
+                   "target_error=1.0", f"out_dir={tmp_path / 'cell'}"])
+    out = run_cell(cfg, tmp_path / "cell")
+    items = pd.read_parquet(out / "items.parquet")
+    choices = pd.read_parquet(out / "targets.parquet")
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    targeted = items[items["design"] == "poisson"]
+    assert len(targeted) == 2 and len(choices) == 2 * layers * heads
+    assert set(choices["item_id"]) == set(targeted["item_id"]) and (choices["budget"] == 0.9).all()
+    for item_id, rows in choices.groupby("item_id"):
+        retained = float(targeted.loc[targeted["item_id"] == item_id, "retained_tokens"].iloc[0])
+        assert retained == pytest.approx(rows["retained"].mean())  # the cache holds what was chosen
+        assert (rows["expected_count"] <= rows["cap_count"]).all()
+    assert yaml.safe_load((out / "config.yaml").read_text())["target_error"] == 1.0

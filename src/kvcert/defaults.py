@@ -24,7 +24,9 @@ def knob(default: Any, help: str, **check: Any) -> Any:  # noqa: A002 - the word
     low, high, low_open: numeric bounds (``lie_in``: say "must lie in (low, high]" instead of two lines);
     known: the field takes names of a registry (kvcert.runner.config.KNOWN holds them);
     identity: False for a knob that does not change what a cell computes;
-    design_knob: the calibration factors depend on it (a calibration file records it).
+    design_knob: the calibration factors depend on it (a calibration file records it);
+    when_set: part of the identity and of a cell's config.yaml only when not null (added keys that leave the
+    cells without them as they were).
     """
     metadata = {"help": help, **check}
     if isinstance(default, (list, dict)):
@@ -93,6 +95,12 @@ class RunConfig:
                                            "file never saw", identity=False)
     delta: float = knob(0.05, "certificate level: sqrt(trV / delta) bounds the error w.p. >= 1 - delta (Chebyshev)",
                         low=0.0, high=0.999, low_open=True, design_knob=True)
+    # A target: part of a cell's identity and config.yaml only when set, so cells without one stay as they were.
+    target_error: Optional[float] = knob(None, "target relative error of the attention output (design poisson): per "
+                                         "layer and KV head the smallest expected sample whose certificate, predicted "
+                                         "on the observation window, meets it; budgets are caps. null: fixed budgets",
+                                         when_set=True)
+    target_delta: Optional[float] = knob(None, "the target's delta in (0, 1); null: delta", when_set=True)
     # Any, not Optional[dict]: OmegaConf cannot merge a mapping from the command line into a typed null.
     policy_options: Any = knob(None, "per policy, its dataclass options, e.g. {snapkv: {kernel_size: 7, pooling: max}}",
                                design_knob=True)
@@ -132,7 +140,10 @@ RUN = RunConfig()
 DESIGN = DesignKnobs()
 CALIBRATE_KEYS = tuple(f.name for f in dataclasses.fields(CalibrateConfig) if f.name not in RUN.__dataclass_fields__)
 # Keys that change what a cell computes (a resumed cell must match them); the rest (out_dir, progress, threads) do not.
-IDENTITY_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("identity", True))
+IDENTITY_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig)
+                      if f.metadata.get("identity", True) and not f.metadata.get("when_set"))
+# Keys that identify a cell, and are written to its config.yaml, only when not null (kvcert.runner.cell).
+WHEN_SET_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("when_set"))
 KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "defaults")
 # The knobs that decide pi and the certificate, so a calibration's factors: design_options' (flattened), then the
 # top-level ones by name (the order of a calibration file's "design").
@@ -175,5 +186,5 @@ def _yaml(value: Any) -> str:
 
 __all__ = [
     "CALIBRATE_KEYS", "DELTA", "DESIGN", "DESIGN_KNOBS", "IDENTITY_KEYS", "KEYS", "MISSING", "OBSERVATION_WINDOW", "RUN",
-    "CalibrateConfig", "DesignKnobs", "GridKnobs", "RunConfig", "knob", "yaml_lines",
+    "WHEN_SET_KEYS", "CalibrateConfig", "DesignKnobs", "GridKnobs", "RunConfig", "knob", "yaml_lines",
 ]

@@ -81,14 +81,14 @@ class CalibratedScale:
         return calibrated.clamp_min(self.floor)
 
 
-def calibrated_scales(calibration, *, setting: str, policy: str, budget: float,
-                      n_layers: int) -> list[CalibratedScale | None]:
+def calibrated_scales(calibration, *, setting: str, policy: str, budget: float, n_layers: int,
+                      check_only: bool = False) -> list[CalibratedScale | None]:
     """Per layer, the calibrated certificate of a calibration file's (setting, policy, poisson, budget) stratum
     (the budget being the target's cap), None for a layer without a factor (its paper certificate is used).
 
     calibration: a loaded ``kvcert.calibration.Calibration`` with base ``paper``; the data-free ``"design"``
     correction and base ``design`` depend on the realized sample (its tail_ess), which no prediction before
-    sampling has, and are refused with one line.
+    sampling has, and are refused with one line. check_only: check that much and return [].
     """
     if calibration == DESIGN_CORRECTION or not isinstance(calibration, Calibration):
         raise ValueError(f"calibration={calibration!r}: a target is checked against a fitted calibration file only "
@@ -96,6 +96,8 @@ def calibrated_scales(calibration, *, setting: str, policy: str, budget: float,
     if calibration.base != "paper":
         raise ValueError(f"calibration={calibration.source}: base={calibration.base!r}; a target needs base 'paper' "
                          "(the design base depends on the realized sample)")
+    if check_only:  # the file's kind only (a cell's validation, before the model and strata are known)
+        return []
     stratum = calibration.stratum(setting, policy, "poisson", budget)
     if len(stratum["factors"]) < n_layers:
         raise ValueError(f"calibration={calibration.source} holds {len(stratum['factors'])} layers; the model has "
