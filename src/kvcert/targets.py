@@ -36,6 +36,7 @@ from .calibration import DESIGN as DESIGN_CORRECTION
 from .calibration import ROUNDING, Calibration
 from .defaults import DELTA
 from .designs import DesignOptions, Selection, _pack
+from .estimator import compute_dtype
 from .policies.base import LayerView
 from .sampling import certain_mask, minimum_count, poisson_sample, retained_count
 
@@ -111,7 +112,7 @@ def calibrated_scales(calibration, *, setting: str, policy: str, budget: float, 
 class WindowTerms:
     """What the prediction needs of one layer, before any π: per (batch, kv_head, window query),
 
-    weights: (batch, kv_heads, w, n) float64, Σ over the KV head's query heads of a_i² ‖v_i − o‖²;
+    weights: (batch, kv_heads, w, n) float64 (computed in float32 unless the inputs are float64), Σ over the KV head's query heads of a_i² ‖v_i − o‖²;
     out_norm_sq: (batch, kv_heads, w) float64, ‖o‖² of the concatenated outputs of those query heads.
     """
 
@@ -142,9 +143,11 @@ def window_terms(view: LayerView) -> WindowTerms:
     and window queries (batch, q_heads, w, d), with the causal (and sliding-window) mask the window observed."""
     b, hq, w, d = view.window_queries.shape
     hk, n, group = view.keys.shape[1], view.n, view.group_size
-    q = view.window_queries.to(torch.float64).reshape(b, hk, group, w, d)
-    k = view.keys.to(torch.float64)
-    v = view.values.to(torch.float64)
+    # float32 for a float32/bf16 cache (as the certificate itself is computed), float64 for float64 inputs
+    dtype = compute_dtype(view.window_queries, view.keys, view.values)
+    q = view.window_queries.to(dtype).reshape(b, hk, group, w, d)
+    k = view.keys.to(dtype)
+    v = view.values.to(dtype)
     logits = torch.einsum("bhgwd,bhnd->bhgwn", q, k) * view.scale
     q_pos = torch.arange(n - w, n, device=k.device).unsqueeze(-1)
     k_pos = torch.arange(n, device=k.device)
@@ -158,7 +161,8 @@ def window_terms(view: LayerView) -> WindowTerms:
     vc, oc = v - center, o - center.unsqueeze(2)
     dist = ((vc.square().sum(-1)[:, :, None, None, :] - 2 * torch.einsum("bhnd,bhgwd->bhgwn", vc, oc)
              + oc.square().sum(-1).unsqueeze(-1)).clamp_min(0.0))
-    return WindowTerms(weights=(a.square() * dist).sum(2), out_norm_sq=o.square().sum((2, 4)))
+    return WindowTerms(weights=(a.square() * dist).sum(2).to(torch.float64),
+                       out_norm_sq=o.square().sum((2, 4)).to(torch.float64))
 
 
 def predicted_relative_certificate(terms: WindowTerms, pi: torch.Tensor, target: Target,
