@@ -178,6 +178,22 @@ def test_the_design_draws_at_the_chosen_probabilities():
         assert torch.equal(torch.sort(index).values, index)
 
 
+def test_layers_searched_together_choose_and_draw_as_each_layer_alone():
+    from kvcert.targets import targeted_selections
+
+    layers = [_layer(seed=10 + i) for i in range(3)]
+    views, scores = [v for v, _ in layers], [s for _, s in layers]
+    scales = [CalibratedScale(1.5, 1.0, 0.01), None, CalibratedScale(2.0, 0.5, 0.0, never_below_paper=False)]
+    selections, log = targeted_selections(views, scores, Target(0.1), 0.9, OPTIONS, seed=4, scales=scales)
+    generator = torch.Generator().manual_seed(4)
+    for i, (view, layer_scores) in enumerate(layers):
+        alone, choice = target_design(view, layer_scores, Target(0.1), 0.9, OPTIONS, generator, True, scales[i])
+        assert torch.equal(alone.index, selections[i].index) and torch.equal(alone.log_pi, selections[i].log_pi)
+        rows = log[log["layer"] == i]
+        assert rows["expected_count"].tolist() == choice.expected_count[0].tolist()
+        assert rows["predicted_rel_cert"].tolist() == pytest.approx(choice.predicted[0].tolist(), rel=1e-12)
+
+
 # --- end to end: generate(target_error=...) on a tiny random-weight Llama ---------------------------------------
 
 

@@ -260,17 +260,18 @@ def row_inclusion_probabilities(scores: torch.Tensor, counts: torch.Tensor, opti
 def choose_expected_counts(view: LayerView, scores: torch.Tensor, target: Target, budget: float,
                            options: DesignOptions = DesignOptions(), certain_top_slice: bool = True,
                            calibration: CalibratedScale | None = None,
-                           terms: WindowTerms | None = None) -> TargetChoice:
+                           terms: WindowTerms | None = None, check: bool = True) -> TargetChoice:
     """The smallest expected count per (batch, kv_head) whose predicted certificate meets the target.
 
     view: the layer's prefill state (keys/values (batch, kv_heads, n, d), window queries (batch, q_heads, w, d));
     scores: (batch, kv_heads, n) the policy's importance; budget: the cap, a fraction in (0, 1];
-    calibration: the layer's calibrated certificate, checked against the target instead of ε̂_rel.
+    calibration: the layer's calibrated certificate, checked against the target instead of ε̂_rel; terms: the
+    layer's window_terms when already computed (check=False: rows of several layers stacked, view only typed).
     Bisection over integer counts in [sinks + recent window, retained_count(budget, n)] (the prediction is
     non-increasing in the count: see the module's docstring).
     """
     n = scores.shape[-1]
-    if scores.shape[:2] != view.keys.shape[:2] or n != view.n:
+    if check and (scores.shape[:2] != view.keys.shape[:2] or n != view.n):
         raise ValueError(f"scores {tuple(scores.shape)} do not match the layer's keys {tuple(view.keys.shape)}")
     terms = terms if terms is not None else window_terms(view)
     cap = retained_count(budget, n, options.n_sink, options.n_recent)
@@ -326,11 +327,12 @@ def targeted_selections(views: list[LayerView], scores: list[torch.Tensor], targ
     of batch row ``row``). views/scores: per layer, as ``kvcert.generation.select`` reads them (scores
     (batch, kv_heads, n)); the draws follow ``seed`` layer after layer, as ``select`` does."""
     generator = torch.Generator().manual_seed(int(seed))
+    choices = _choose_all_layers(views, scores, target, budget, options, certain_top_slice, scales)
     selections, frames = [], []
-    for layer, (view, layer_scores) in enumerate(zip(views, scores)):
-        scale = scales[layer] if scales is not None else None
-        selection, choice = target_design(view, layer_scores, target, budget, options, generator, certain_top_slice,
-                                          scale)
+    for layer, choice in enumerate(choices):
+        # drawn layer after layer from one generator, as poisson_design is by ``select``
+        keep = poisson_sample(choice.pi.cpu(), generator).to(scores[layer].device)
+        selection = _pack(keep, torch.log(choice.pi))
         selections.append(selection)
         heads = choice.expected_count.shape[1]
         frames.append(pd.DataFrame({
@@ -341,6 +343,51 @@ def targeted_selections(views: list[LayerView], scores: list[torch.Tensor], targ
         }))
     frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=CHOICE_COLUMNS)
     return selections, frame[CHOICE_COLUMNS]
+
+
+def _choose_all_layers(views, scores, target, budget, options, certain_top_slice, scales) -> list[TargetChoice]:
+    """Every layer's TargetChoice. Layers of one shape are searched together, their (batch, kv_heads) rows
+    stacked, so that a bisection step is a few operations for the whole model instead of per layer (the same
+    choice: rows never interact)."""
+    if not views:
+        return []
+    same_shape = len({tuple(layer_scores.shape) for layer_scores in scores}) == 1
+    if not same_shape:
+        return [choose_expected_counts(view, layer_scores, target, budget, options, certain_top_slice,
+                                       scales[i] if scales is not None else None)
+                for i, (view, layer_scores) in enumerate(zip(views, scores))]
+    terms = [window_terms(view) for view in views]
+    stacked = WindowTerms(torch.cat([t.weights for t in terms]), torch.cat([t.out_norm_sq for t in terms]))
+    batch = scores[0].shape[0]
+    calibration = None
+    if scales is not None and any(scale is not None for scale in scales):
+        identity = CalibratedScale(1.0, 1.0, 0.0, True, 0.0)  # a layer without a factor: its paper certificate
+        rows = [scale or identity for scale in scales for _ in range(batch)]
+        column = lambda name: torch.tensor([float(getattr(r, name)) for r in rows],  # noqa: E731
+                                           dtype=torch.float64, device=scores[0].device).view(-1, 1, 1)
+        calibration = _RowScales(column("factor"), column("cert_weight"), column("norm_weight"),
+                                 column("never_below_paper").bool(), column("floor"))
+    choice = choose_expected_counts(views[0], torch.cat(scores), target, budget, options, certain_top_slice,
+                                    calibration, stacked, check=False)
+    return [TargetChoice(choice.expected_count[i * batch:(i + 1) * batch], choice.cap_count, choice.n,
+                         choice.pi[i * batch:(i + 1) * batch], choice.predicted[i * batch:(i + 1) * batch],
+                         choice.met[i * batch:(i + 1) * batch]) for i in range(len(views))]
+
+
+@dataclass(frozen=True)
+class _RowScales:
+    """CalibratedScale with one value per stacked row: tensors (rows, 1, 1) broadcast over (rows, kv_heads, w)."""
+
+    factor: torch.Tensor
+    cert_weight: torch.Tensor
+    norm_weight: torch.Tensor
+    never_below_paper: torch.Tensor
+    floor: torch.Tensor
+
+    def apply(self, relative: torch.Tensor) -> torch.Tensor:
+        calibrated = self.factor * (self.cert_weight * relative + self.norm_weight)
+        calibrated = torch.where(self.never_below_paper, torch.maximum(calibrated, relative), calibrated)
+        return torch.maximum(calibrated, self.floor)
 
 
 def check_target(design: str, target_error, target_delta) -> Target | None:
