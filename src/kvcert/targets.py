@@ -187,49 +187,89 @@ def predicted_relative_certificate(terms: WindowTerms, pi: torch.Tensor, target:
     return torch.quantile(relative, target.window_quantile, dim=-1, interpolation="higher")
 
 
-def exact_water_fill(scores: torch.Tensor, tail: torch.Tensor, target: torch.Tensor, pi_min: float) -> torch.Tensor:
+def exact_water_fill(scores: torch.Tensor, tail: torch.Tensor, target: torch.Tensor, pi_min: float,
+                     ascending: torch.Tensor | None = None) -> torch.Tensor:
     """``kvcert.sampling._water_fill`` solved exactly instead of by 100 bisection steps: the same π.
 
-    scores: (R, n) float64; tail: (R, n) bool; target: (R,) float64 with pi_min·|tail| < target < |tail|.
+    scores: (R, n) float64; tail: (R, n) bool; target: (R,) float64 with pi_min·|tail| < target < |tail|;
+    ascending: (R, n) the tail's scores clamped at 0 in ascending order, +inf after them (sorted here if None).
     Σ_tail clip(c·s, pi_min, 1) is continuous, non-decreasing and piecewise linear in c, with breakpoints
-    pi_min/s_i (s_i leaves the floor) and 1/s_i (s_i reaches the cap): it is evaluated at every breakpoint from
-    the sorted tail's prefix sums, and c is interpolated on the piece that holds the target. The scores get
-    _water_fill's perturbation (strictly positive, ties split by 1e-9 of the row's maximum), so both give one π.
-    Returns (R, n) float64, zero off the tail.
+    pi_min/s_i (s_i leaves the floor) and 1/s_i (s_i reaches the cap): the totals at the breakpoints come from
+    the sorted tail's prefix sums, the piece holding the target is bracketed by the nearest breakpoints on both
+    sides, and on it the level solves a linear equation. The scores get _water_fill's perturbation (strictly
+    positive, ties split by 1e-9 of the row's maximum), so both give one π. Returns (R, n) float64, zero off the
+    tail.
     """
     rows, n = scores.shape
-    row_max = torch.where(tail, scores, torch.zeros_like(scores)).amax(-1, keepdim=True)
-    s = scores.clamp_min(0.0) + 1e-9 * row_max + 1e-300
-    ascending = torch.sort(torch.where(tail, s, torch.full_like(s, float("inf"))), dim=-1).values
+    if ascending is None:
+        ascending = torch.sort(torch.where(tail, scores.clamp_min(0.0), torch.full_like(scores, float("inf"))),
+                               dim=-1).values
     size = tail.sum(-1, keepdim=True)  # |tail|: the finite entries of ``ascending`` come first
+    last = ascending.gather(-1, (size - 1).clamp_min(0))
+    row_max = torch.where(size > 0, last, torch.zeros_like(last)).clamp_min(0.0)  # _water_fill's max over the tail
+    shift = 1e-9 * row_max + 1e-300
+    s = scores.clamp_min(0.0) + shift
+    ascending = ascending + shift  # the perturbation keeps the order
     finite = torch.where(torch.isfinite(ascending), ascending, torch.zeros_like(ascending))
     prefix = torch.cat([torch.zeros_like(finite[:, :1]), finite.cumsum(-1)], dim=-1)  # (R, n + 1)
-    # breakpoints (R, 2n); a non-tail entry gives c = 0, where every tail token is floored
-    c = torch.cat([pi_min / ascending, 1.0 / ascending], dim=-1)
 
     def pieces(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """At levels c: (capped count, floored count, Σ s of the tokens between floor and cap)."""
+        """At levels c (R, k): (capped count, floored count, Σ s of the tokens between floor and cap)."""
         floored = torch.minimum(torch.searchsorted(ascending, pi_min / c, right=True), size)
         below_cap = torch.minimum(torch.searchsorted(ascending, 1.0 / c, right=False), size)
         return size - below_cap, floored, prefix.gather(-1, below_cap) - prefix.gather(-1, floored)
 
-    c = torch.sort(c, dim=-1).values
-    capped, floored, middle = pieces(c)
-    totals = capped + c * middle + pi_min * floored
-    index = (totals <= target.unsqueeze(-1)).sum(-1, keepdim=True).clamp(1, 2 * n - 1)
-    # the piece (c_lo, c_hi) holding the target: its capped / floored tokens and middle sum are constant there,
-    # so the level solves capped + c·middle + pi_min·floored = target
-    capped, floored, middle = pieces(0.5 * (c.gather(-1, index - 1) + c.gather(-1, index)))
-    level = (target.unsqueeze(-1) - capped - pi_min * floored) / middle.clamp_min(1e-300)
+    def total(c: torch.Tensor) -> torch.Tensor:
+        capped, floored, middle = pieces(c)
+        return capped + c * middle + pi_min * floored
+
+    goal = target.unsqueeze(-1)
+    low = torch.zeros_like(goal)
+    high = torch.full_like(goal, float("inf"))
+    # two sorted sequences of breakpoints (descending along the row; +inf entries give c = 0, all floored): in
+    # each, those whose total is <= target form a suffix. The nearest on either side of the target bracket its
+    # piece, which holds no other breakpoint.
+    for c in (pi_min / ascending, 1.0 / ascending):
+        above = (total(c) > goal).sum(-1, keepdim=True)  # the suffix starts here
+        low = torch.maximum(low, c.gather(-1, above.clamp_max(n - 1)).where(above < n, torch.zeros_like(low)))
+        high = torch.minimum(high, c.gather(-1, (above - 1).clamp_min(0)).where(above > 0, torch.full_like(high,
+                                                                                                          float("inf"))))
+    capped, floored, middle = pieces(0.5 * (low + high))
+    level = (goal - capped - pi_min * floored) / middle.clamp_min(1e-300)
     pi = (s * level).clamp(pi_min, 1.0)
     return torch.where(tail, pi, torch.zeros_like(pi))
 
 
+@dataclass(frozen=True)
+class _Ranking:
+    """What a row's π needs that its count does not change, computed once per search.
+
+    rank: (R, n) long, the rank among the non-certain tokens by score (stable: ties by position), n for certain
+    ones; ascending: (R, n) float64, the non-certain scores clamped at 0 in ascending order, +inf after them;
+    free: the number of non-certain tokens (the same in every row)."""
+
+    rank: torch.Tensor
+    ascending: torch.Tensor
+    free: int
+
+
+def _ranking(flat: torch.Tensor, certain: torch.Tensor) -> _Ranking:
+    rows, n = flat.shape
+    ranked = torch.where(certain, torch.full_like(flat, float("-inf")), flat.clamp_min(0.0))
+    order = torch.argsort(-ranked, dim=-1, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=flat.device).expand(rows, n))
+    free = n - int(certain[0].sum())
+    descending = ranked.gather(-1, order)[:, :free]
+    ascending = torch.cat([descending.flip(-1), torch.full_like(flat[:, free:], float("inf"))], dim=-1)
+    return _Ranking(torch.where(certain, torch.full_like(rank, n), rank), ascending, free)
+
+
 def row_inclusion_probabilities(scores: torch.Tensor, counts: torch.Tensor, options: DesignOptions,
-                                certain_top_slice: bool = True) -> torch.Tensor:
+                                certain_top_slice: bool = True, ranking: _Ranking | None = None) -> torch.Tensor:
     """``kvcert.sampling.inclusion_probabilities`` with one expected count per row.
 
-    scores: (..., n) importance; counts: (...) integer expected counts (raised to sinks + recent window).
+    scores: (..., n) importance; counts: (...) integer expected counts (raised to sinks + recent window);
+    ranking: the rows' ``_ranking`` when already computed (it does not depend on the counts).
     Returns (..., n) float64 π: for every row, what inclusion_probabilities(row, count) gives (the top slice's
     ties are broken by position). tests/test_targets.py checks the two agree row by row.
     """
@@ -239,18 +279,18 @@ def row_inclusion_probabilities(scores: torch.Tensor, counts: torch.Tensor, opti
     rows = flat.shape[0]
     count = counts.reshape(rows).to(torch.float64).clamp_min(minimum_count(n, options.n_sink, options.n_recent))
     certain = certain_mask(n, options.n_sink, options.n_recent, scores.device).expand(rows, n)
-    n_certain = int(certain[0].sum())
+    ranking = ranking if ranking is not None else _ranking(flat, certain)
+    n_certain = n - ranking.free
     n_top = torch.floor(head_fraction * (count - n_certain)).clamp_min(0)  # int() of a non-negative number
-    # the top slice: rank among the non-certain tokens by score (stable: ties by position)
-    ranked = torch.where(certain, torch.full_like(flat, float("-inf")), flat.clamp_min(0.0))
-    order = torch.argsort(-ranked, dim=-1, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=scores.device).expand(rows, n))
-    head = certain | (rank < n_top.unsqueeze(-1))
+    head = certain | (ranking.rank < n_top.unsqueeze(-1))
     tail = ~head
+    # the tail's sorted scores: the non-certain ones without the top slice, i.e. without the largest n_top
+    kept = torch.arange(n, device=scores.device) < (ranking.free - n_top).unsqueeze(-1)
+    ascending = torch.where(kept, ranking.ascending, torch.full_like(flat, float("inf")))
     n_tail = (n - n_certain - n_top).clamp_min(1.0)
     share = count - n_certain - n_top
     uniform = (options.pi_min * n_tail >= share).unsqueeze(-1)
-    filled = exact_water_fill(flat, tail, share, options.pi_min)
+    filled = exact_water_fill(flat, tail, share, options.pi_min, ascending)
     pi_tail = torch.where(uniform, (share / n_tail).unsqueeze(-1).expand(rows, n), filled)
     pi = torch.where(head, torch.ones_like(flat), torch.where(tail, pi_tail, torch.zeros_like(flat)))
     pi = torch.where((count >= n).unsqueeze(-1), torch.ones_like(pi), pi)
@@ -278,8 +318,11 @@ def choose_expected_counts(view: LayerView, scores: torch.Tensor, target: Target
     low = minimum_count(n, options.n_sink, options.n_recent)
     shape = scores.shape[:-1]
 
+    flat = scores.reshape(-1, n).to(torch.float64)
+    ranking = _ranking(flat, certain_mask(n, options.n_sink, options.n_recent, scores.device).expand_as(flat))
+
     def predict(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pi = row_inclusion_probabilities(scores, counts, options, certain_top_slice)
+        pi = row_inclusion_probabilities(scores, counts, options, certain_top_slice, ranking)
         return pi, predicted_relative_certificate(terms, pi, target, calibration)
 
     lo = torch.full(shape, low, dtype=torch.long, device=scores.device)
