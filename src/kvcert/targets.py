@@ -112,7 +112,8 @@ def calibrated_scales(calibration, *, setting: str, policy: str, budget: float, 
 class WindowTerms:
     """What the prediction needs of one layer, before any π: per (batch, kv_head, window query),
 
-    weights: (batch, kv_heads, w, n) float64 (computed in float32 unless the inputs are float64), Σ over the KV head's query heads of a_i² ‖v_i − o‖²;
+    weights: (batch, kv_heads, w, n) float64 (computed in float32 unless the inputs are float64), Σ over the KV
+    head's query heads of a_i² ‖v_i − o‖²;
     out_norm_sq: (batch, kv_heads, w) float64, ‖o‖² of the concatenated outputs of those query heads.
     """
 
@@ -232,8 +233,8 @@ def exact_water_fill(scores: torch.Tensor, tail: torch.Tensor, target: torch.Ten
     for c in (pi_min / ascending, 1.0 / ascending):
         above = (total(c) > goal).sum(-1, keepdim=True)  # the suffix starts here
         low = torch.maximum(low, c.gather(-1, above.clamp_max(n - 1)).where(above < n, torch.zeros_like(low)))
-        high = torch.minimum(high, c.gather(-1, (above - 1).clamp_min(0)).where(above > 0, torch.full_like(high,
-                                                                                                          float("inf"))))
+        nearest_above = c.gather(-1, (above - 1).clamp_min(0))
+        high = torch.minimum(high, nearest_above.where(above > 0, torch.full_like(high, float("inf"))))
     capped, floored, middle = pieces(0.5 * (low + high))
     level = (goal - capped - pi_min * floored) / middle.clamp_min(1e-300)
     pi = (s * level).clamp(pi_min, 1.0)
@@ -446,5 +447,6 @@ def check_target(design: str, target_error, target_delta) -> Target | None:
                   delta=DELTA if target_delta is None else target_delta)
 
 
-__all__ = ["CHOICE_COLUMNS", "CalibratedScale", "calibrated_scales", "check_target", "targeted_selections", "Target", "TargetChoice", "WindowTerms", "choose_expected_counts",
-           "predicted_relative_certificate", "row_inclusion_probabilities", "target_design", "window_terms"]
+__all__ = ["CHOICE_COLUMNS", "CalibratedScale", "Target", "TargetChoice", "WindowTerms", "calibrated_scales",
+           "check_target", "choose_expected_counts", "exact_water_fill", "predicted_relative_certificate",
+           "row_inclusion_probabilities", "target_design", "targeted_selections", "window_terms"]

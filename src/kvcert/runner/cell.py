@@ -91,7 +91,8 @@ def _selections(state: Prefill, conf: Configuration, item: Item, cell: CellConfi
     if target is None:
         return select(state, conf.policy, conf.design, conf.budget, seed, cell.options)
     scales = None if cell.calibration is None else calibrated_scales(
-        cell.calibration, setting=cell.setting, policy=conf.policy, budget=conf.budget, n_layers=len(state.cache.layers))
+        cell.calibration, setting=cell.setting, policy=conf.policy, budget=conf.budget,
+        n_layers=len(state.cache.layers))
     selections, choice = targeted_selections(state.layer_views(), state.scores(conf.policy), target, conf.budget,
                                              cell.options, seed, get_policy(conf.policy).certain_top_slice, scales)
     if choices is not None:
