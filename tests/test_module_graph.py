@@ -19,12 +19,13 @@ LAYERS = {
     "kvcert.errors": 0, "kvcert.defaults": 0, "kvcert.schema": 0, "kvcert.atomic": 0, "kvcert.provenance": 0,
     "kvcert.gpu_slots": 0,
     "kvcert.hydra_app": 1, "kvcert.estimator": 1, "kvcert.sampling": 1, "kvcert.prompts": 1, "kvcert.kernels": 1,
-    "kvcert.data": 1, "kvcert.hub": 1,
+    "kvcert.data": 1, "kvcert.hub": 1, "kvcert.peer_sampling": 1,
     "kvcert.query_statistics": 1,  # the prefix queries before RoPE, and the RoPE after the prefix
     "kvcert.designs": 2, "kvcert.allocators": 2, "kvcert.policies": 2, "kvcert.models": 2, "kvcert.scales": 2,
     "kvcert.certificates": 3, "kvcert.calibration": 3, "kvcert.architectures": 3,
     "kvcert.cache": 3,  # stores slots only: nothing of certificates, calibration or kernels
     "kvcert.context": 4,  # what a pass does beside attending: observations, recorder, oracle
+    "kvcert.targets": 4,  # a target error -> per-head expected sample sizes (reads calibration factors)
     "kvcert.attention": 5,
     "kvcert.generation": 6,
     "kvcert.theory": 7, "kvcert.costs": 7, "kvcert.standins": 7,

@@ -39,8 +39,9 @@ def test_a_cell_is_identified_by_the_knobs_that_change_what_it_computes():
     before = {"data", "model", "policies", "designs", "budgets", "seeds", "extra_grids", "setting", "n_items", "shard",
               "n_shards", "oracle", "certify", "delta", "observation_window", "design_options", "max_context_tokens",
               "truncate", "store_steps", "policy_options", "calibration", "shard_by"}
-    # and the keys added since, which a cell's config.yaml and identity leave out at their default
-    assert set(defaults.ELIDED_AT_DEFAULT) == {"allocator", "allocator_options"}
+    # and the keys added since, which a cell's config.yaml and identity leave out at their default (an allocator,
+    # a target): cells without them keep the identity above
+    assert set(defaults.ELIDED_AT_DEFAULT) == {"allocator", "allocator_options", "target_error", "target_delta"}
     assert set(defaults.IDENTITY_KEYS) == before | set(defaults.ELIDED_AT_DEFAULT)
     assert set(defaults.KEYS) - set(defaults.IDENTITY_KEYS) == {"out_dir", "progress", "threads",
                                                                "check_calibration_prompts"}

@@ -95,6 +95,11 @@ class RunConfig:
                                            "file never saw", identity=False)
     delta: float = knob(0.05, "certificate level: sqrt(trV / delta) bounds the error w.p. >= 1 - delta (Chebyshev)",
                         low=0.0, high=0.999, low_open=True, design_knob=True)
+    target_error: Optional[float] = knob(None, "target relative error of the attention output (design poisson): per "
+                                         "layer and KV head the smallest expected sample whose certificate, predicted "
+                                         "on the observation window, meets it; budgets are caps. null: fixed budgets",
+                                         elided_at_default=True)
+    target_delta: Optional[float] = knob(None, "the target's delta in (0, 1); null: delta", elided_at_default=True)
     # Any, not Optional[dict]: OmegaConf cannot merge a mapping from the command line into a typed null.
     policy_options: Any = knob(None, "per policy, its dataclass options, e.g. {snapkv: {kernel_size: 7, pooling: max}}",
                                design_knob=True)

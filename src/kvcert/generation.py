@@ -29,6 +29,7 @@ from .policies import LayerView, get_policy, prefill_needs
 from .query_statistics import FUTURE_POSITIONS, QueryStatistics, rotary_tables
 from .prompts import SETTINGS, build_prompt, check_setting, model_limit
 from .schema import STEP_COLUMNS
+from .targets import calibrated_scales, check_target, targeted_selections
 
 FULL = "full"
 RUN = defaults.RUN  # the run schema: the defaults here are a cell's
@@ -418,6 +419,7 @@ class GenerationResult(Decoded):
     setting: str = "question_aware"
     context_tokens: int = 0
     allocator: str = RUN.allocator
+    target_choice: pd.DataFrame | None = None  # with a target: kvcert.targets.CHOICE_COLUMNS per layer and KV head
 
 
 def generate(
@@ -445,6 +447,8 @@ def generate(
     calibration=None,
     allocator: str = RUN.allocator,
     allocator_options: dict | None = None,
+    target_error: float | None = None,
+    target_delta: float | None = None,
 ) -> GenerationResult:
     """Generate an answer to ``question`` about ``context`` on a compressed cache, with certificates.
 
@@ -459,13 +463,21 @@ def generate(
     ``"design"`` (the data-free correction), which adds the calibrated certificate to ``steps``
     (``cert_calibrated``, and ``coverage_calibrated`` with the oracle); a file fitted on another model or
     other design knobs raises ``CalibrationError``; allocator / allocator_options: how many slots each
-    (layer, KV head) keeps (``select``; a calibration is fitted under the uniform allocator only).
+    (layer, KV head) keeps (``select``; a calibration is fitted under the uniform allocator only);
+    target_error, target_delta: a target relative error ε at
+    level δ (default ``delta``) for design ``poisson``, the budget being its cap (``kvcert.targets``): per layer
+    and KV head the smallest expected sample whose certificate (the calibrated one, given a calibration file),
+    predicted on the observation window's queries, is within ε; the choice is ``target_choice``.
     """
+    target = None if policy == FULL else check_target(design, target_error, target_delta)
     prompt = build_prompt(tokenizer, context, question, answer_prefix, setting=setting,
                           max_new_tokens=max_new_tokens, limit=model_limit(model, max_context_tokens),
                           truncate=truncate)
     full = policy == FULL
     get_allocator(allocator, **(allocator_options or {}))  # a bad name or option is refused before the prefill
+    if target is not None and allocator != "uniform":
+        raise ValueError(f"allocator={allocator!r}: a target chooses each KV head's sample size itself; drop "
+                         "target_error or the allocator")
     if calibration is not None and not full and allocator != "uniform":
         raise ValueError(f"allocator={allocator!r}: a calibration's factors were fitted under the uniform allocator")
     if calibration is not None and not full:  # refused before anything is computed
@@ -478,7 +490,14 @@ def generate(
     state = prefill(model, prompt.prefix_ids, prompt.suffix_ids, setting=setting,
                     observation_window=observation_window, **needs, policy_options=policy_options)
     draw = seed if item_id is None else item_seed(seed, item_id)
-    selections = None if full else select(state, policy, design, budget, draw, options, allocator, allocator_options)
+    choice = None
+    if target is not None:
+        scales = None if calibration is None else calibrated_scales(
+            calibration, setting=setting, policy=policy, budget=budget, n_layers=len(state.cache.layers))
+        selections, choice = targeted_selections(state.layer_views(), state.scores(policy), target, budget, options,
+                                                 draw, get_policy(policy).certain_top_slice, scales)
+    else:
+        selections = None if full else select(state, policy, design, budget, draw, options, allocator, allocator_options)
     decoded = decode(
         model, state, selections, max_new_tokens=max_new_tokens, stop_ids=eos_ids(model, tokenizer),
         certify=certify, oracle=oracle, delta=delta, randomized=(not full and design == "poisson"),
@@ -492,5 +511,5 @@ def generate(
                                             budget=budget, setting=setting, checked=True)
     return GenerationResult(
         **fields, policy=policy, design=FULL if full else design, budget=1.0 if full else budget, seed=seed,
-        setting=setting, context_tokens=state.context_tokens, allocator=allocator,
+        setting=setting, context_tokens=state.context_tokens, allocator=allocator, target_choice=choice,
     )

@@ -31,7 +31,8 @@ from ..models import ModelSpec, load_model
 from ..policies import prefill_needs
 from ..prompts import PromptIds, build_prompt, model_limit
 from ..provenance import code_fingerprint, sha256_file, short
-from ..schema import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS
+from ..schema import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS
+from ..targets import CHOICE_COLUMNS, calibrated_scales, targeted_selections
 from .config import CellConfig, Configuration, validate
 from .manifest import build_manifest
 from .tables import ITEM_COLUMNS, empty_step_table, logprob_summary, summarize_steps, tag_steps
@@ -90,10 +91,34 @@ def batches(configurations: list[Configuration]) -> list[list[Configuration]]:
     return [[c for c in configurations if c.is_full], *groups.values()]
 
 
-def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, meta: dict, timings: dict):
+def _selections(state: Prefill, conf: Configuration, item: Item, cell: CellConfig, choices: list | None):
+    """One configuration's per-layer selections (None: the full cache); with a target, the Poisson design at the
+    chosen sizes, its choice log (CHOICE_COLUMNS + the run's keys) appended to ``choices``."""
+    if conf.is_full:
+        return None
+    seed = item_seed(conf.seed, item.id)
+    target = cell.target
+    if target is None:
+        return select(state, conf.policy, conf.design, conf.budget, seed, cell.options, cell.allocator,
+                      cell.allocator_options)
+    scales = None if cell.calibration is None else calibrated_scales(
+        cell.calibration, setting=cell.setting, policy=conf.policy, budget=conf.budget,
+        n_layers=len(state.cache.layers))
+    selections, choice = targeted_selections(state.layer_views(), state.scores(conf.policy), target, conf.budget,
+                                             cell.options, seed, get_policy(conf.policy).certain_top_slice, scales)
+    if choices is not None:
+        keys = {"item_id": item.id, "policy": conf.policy, "design": conf.design, "budget": conf.budget,
+                "seed": conf.seed, "setting": cell.setting}
+        choices.append(choice.assign(**keys)[KEY_COLUMNS + CHOICE_COLUMNS])
+    return selections
+
+
+def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, meta: dict, timings: dict,
+             choices: list | None = None):
     """All configurations of one item from one prefill: (item rows, step frame).
 
-    prompt: the item's token ids from ``item_prompt``.
+    prompt: the item's token ids from ``item_prompt``; choices: with a target, collects each configuration's
+    choice log (one frame of KEY_COLUMNS + kvcert.targets.CHOICE_COLUMNS per configuration).
     """
     max_new = int(item.max_new_tokens)
     needs = prefill_needs(cell.all_policies, cell.policy_options)
@@ -107,12 +132,7 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
     rows, steps = [], []
     for group in batches(cell.configurations()):
         start = time.perf_counter()
-        selections = [
-            None if conf.is_full else select(
-                state, conf.policy, conf.design, conf.budget, item_seed(conf.seed, item.id), cell.options,
-                cell.allocator, cell.allocator_options)
-            for conf in group
-        ]
+        selections = [_selections(state, conf, item, cell, choices) for conf in group]
         decoded_group = decode_batch(
             model, state, selections, max_new_tokens=max_new, stop_ids=stop, certify=cell.certify,
             oracle=cell.oracle, delta=cell.delta, randomized=[conf.design == "poisson" for conf in group],
@@ -203,7 +223,7 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
         # A failure before any item finished leaves nothing behind; finished items are kept for the rerun.
         if not any(parts.glob("*.items.parquet")):
             marker.unlink(missing_ok=True)
-            for leftover in [*parts.glob(".*.tmp"), *parts.glob("*.steps.parquet")]:
+            for leftover in [*parts.glob(".*.tmp"), *parts.glob("*.steps.parquet"), *parts.glob("*.targets.parquet")]:
                 leftover.unlink(missing_ok=True)
             _remove_empty(created)
         raise
@@ -264,8 +284,11 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard, prompts, parts, 
     for index, item in enumerate(shard):
         if index in done:
             continue
-        item_rows, step_rows = run_item(model, tokenizer, item, prompts[index], cell, meta, timings)
+        choices = [] if cell.target is not None else None
+        item_rows, step_rows = run_item(model, tokenizer, item, prompts[index], cell, meta, timings, choices)
         start = time.perf_counter()
+        if choices is not None:  # a target cell's per-item record of the chosen sizes
+            write_parquet_atomic(_choice_frame(choices), parts / f"{index:06d}.targets.parquet")
         write_parquet_atomic(step_rows, parts / f"{index:06d}.steps.parquet")
         write_parquet_atomic(item_rows, parts / f"{index:06d}.items.parquet")  # written last: the commit
         timings["write"] += time.perf_counter() - start
@@ -281,6 +304,10 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard, prompts, parts, 
     steps_frame = pd.concat(step_parts, ignore_index=True) if step_parts else empty_step_table()
     outputs = {"steps.parquet": out_dir / "steps.parquet", "items.parquet": out_dir / "items.parquet",
                "config.yaml": out_dir / "config.yaml"}
+    if cell.target is not None:
+        outputs["targets.parquet"] = out_dir / "targets.parquet"
+        write_parquet_atomic(pd.concat([pd.read_parquet(parts / f"{i:06d}.targets.parquet") for i in range(len(shard))],
+                                       ignore_index=True), outputs["targets.parquet"])
     write_parquet_atomic(steps_frame, outputs["steps.parquet"])
     write_parquet_atomic(items_frame, outputs["items.parquet"])
     write_text_atomic(config_yaml(cfg), outputs["config.yaml"])
@@ -296,6 +323,11 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard, prompts, parts, 
     # must start from nothing rather than find them.
     shutil.rmtree(parts)
     return out_dir
+
+
+def _choice_frame(choices: list[pd.DataFrame]) -> pd.DataFrame:
+    return pd.concat(choices, ignore_index=True) if choices else pd.DataFrame(columns=KEY_COLUMNS + CHOICE_COLUMNS)
+
 
 
 __all__ = ["Configuration", "FULL", "item_prompt", "run_cell", "run_item"]

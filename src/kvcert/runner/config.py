@@ -19,6 +19,7 @@ from ..generation import FULL
 from ..policies import POLICIES
 from ..policies.base import renamed_hint
 from ..prompts import SETTINGS, TRUNCATE
+from ..targets import Target, calibrated_scales, check_target
 
 # The names a ``known`` field of the schema takes.
 KNOWN = {"policies": POLICIES, "designs": DESIGNS, "setting": SETTINGS, "shard_by": SHARD_BY, "truncate": TRUNCATE,
@@ -47,6 +48,11 @@ class CellConfig(schema.RunConfig):
     @property
     def options(self) -> DesignOptions:
         return DesignOptions(**dataclasses.asdict(self.design_options))
+
+    @property
+    def target(self) -> Target | None:
+        """The target of ``target_error``/``target_delta`` (design poisson), or None for fixed budgets."""
+        return check_target("poisson", self.target_error, self.target_delta)
 
     @property
     def grids(self) -> tuple[Grid, ...]:
@@ -304,7 +310,26 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
         raise ConfigError(f"allocator={checked['allocator']}: a calibration's factors are fitted under the uniform "
                           "allocator; drop calibration or the allocator")
     checked["calibration"] = load_calibration(cfg.get("calibration"))
-    return CellConfig(**checked)
+    cell = CellConfig(**checked)
+    _check_target(cell)
+    return cell
+
+
+def _check_target(cell: CellConfig) -> None:
+    """A target (kvcert.targets) needs design poisson in every grid and, if calibrated, a fitted file of base paper."""
+    if cell.target_error is None and cell.target_delta is None:
+        return
+    if cell.allocator != "uniform":
+        raise ConfigError(f"allocator={cell.allocator}: a target chooses each KV head's sample size itself; drop "
+                          "target_error or the allocator")
+    try:
+        for design in sorted({d for grid in cell.grids for d in grid.designs}):
+            check_target(design, cell.target_error, cell.target_delta)
+        if cell.calibration is not None:
+            calibrated_scales(cell.calibration, setting=cell.setting, policy="", budget=0.0, n_layers=0,
+                              check_only=True)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _default(f: dataclasses.Field) -> dict[str, Any]:

@@ -1,0 +1,452 @@
+"""A budget as a target: the smallest expected Poisson sample whose certificate, predicted on the queries the
+prefill observed, stays within a relative error ε (docs/library.md, "Targets").
+
+For one layer and KV head h, the Poisson design with expected retained count m has inclusion probabilities
+π(m) (``kvcert.sampling.inclusion_probabilities``: certain head, tail π ∝ score). The certificate a decode step
+reports is ε̂_δ = sqrt(tr V̂ / δ), relative ε̂_δ / ‖ô‖, with V̂ = Σ_{i∈S} (1 − π_i) a_i² ‖v_i − ô‖² over the
+retained set S (docs/METHOD.md §4). Before sampling, its expectation under Poisson sampling is, to first order
+(a_i ≈ w_i/(π_i Σw) on S, P(i ∈ S) = π_i), the unconditional linearized variance
+
+    tr V(m) = Σ_i (1 − π_i(m))/π_i(m) · a_i² ‖v_i − o‖²,      a = softmax of the full prefix, o its output,
+
+which is computed here for each observation-window query (the last w prefix positions, causally masked as
+they were observed), the query heads of a KV head pooled as the recorder pools them (traces add, norms are of
+the concatenated outputs). The prediction for h is the ``quantile`` of sqrt(tr V(m)/δ)/‖o‖ over the window's
+queries: by default the maximum (quantile 1), the conservative rule, fixed before any outcome was seen.
+
+Each π_i(m) is non-decreasing in m (a larger count raises the water level; a token moving into the certain
+top slice leaves its share to the others), so the prediction is non-increasing in m and the smallest m whose
+prediction meets ε is found by bisection over integers in [sinks + recent window, cap], the cap being the
+fractional budget's count. Where even the cap does not meet ε, the cap is kept and the choice says so.
+
+What this promises: the prediction on the observed queries meets ε. Future queries (the answer's) may attend
+differently; whether their certificates and errors stay within ε is measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .calibration import DESIGN as DESIGN_CORRECTION
+from .calibration import ROUNDING, Calibration
+from .defaults import DELTA
+from .designs import DesignOptions, Selection, _pack
+from .estimator import compute_dtype
+from .policies.base import LayerView
+from .sampling import certain_mask, minimum_count, poisson_sample, retained_count
+
+WINDOW_RULE_DEFAULT = 1.0  # the maximum over the window's queries
+
+
+@dataclass(frozen=True)
+class Target:
+    """A target relative error ``error`` (ε, on ‖ô − o‖/‖o‖) at level ``delta`` (the certificate's δ), and the
+    rule aggregating the window's queries: ``window_quantile`` in (0, 1], 1 = the maximum."""
+
+    error: float
+    delta: float = DELTA
+    window_quantile: float = WINDOW_RULE_DEFAULT
+
+    def __post_init__(self):
+        if not (isinstance(self.error, (int, float)) and math.isfinite(self.error) and self.error > 0):
+            raise ValueError(f"target_error={self.error!r}: must be a number > 0")
+        if not (isinstance(self.delta, (int, float)) and 0.0 < self.delta < 1.0):
+            raise ValueError(f"target_delta={self.delta!r}: must lie in (0, 1)")
+        if not 0.0 < self.window_quantile <= 1.0:
+            raise ValueError(f"window_quantile={self.window_quantile!r}: must lie in (0, 1]")
+
+
+@dataclass(frozen=True)
+class CalibratedScale:
+    """One layer's calibrated certificate in relative form (docs/calibration.md, base ``paper``):
+
+    calibrated = factor · (cert_weight · ε̂_rel + norm_weight), and at least ε̂_rel when never_below_paper.
+    """
+
+    factor: float
+    cert_weight: float = 1.0
+    norm_weight: float = 0.0
+    never_below_paper: bool = True
+    floor: float = 0.0  # the calibrated certificate's floor relative to ‖ô‖ (kvcert.calibration's ROUNDING)
+
+    def apply(self, relative: torch.Tensor) -> torch.Tensor:
+        """(...,) predicted ε̂_rel -> (...,) the calibrated certificate it stands for (monotone in ε̂_rel)."""
+        calibrated = self.factor * (self.cert_weight * relative + self.norm_weight)
+        if self.never_below_paper:
+            calibrated = torch.maximum(calibrated, relative)
+        return calibrated.clamp_min(self.floor)
+
+
+def calibrated_scales(calibration, *, setting: str, policy: str, budget: float, n_layers: int,
+                      check_only: bool = False) -> list[CalibratedScale | None]:
+    """Per layer, the calibrated certificate of a calibration file's (setting, policy, poisson, budget) stratum
+    (the budget being the target's cap), None for a layer without a factor (its paper certificate is used).
+
+    calibration: a loaded ``kvcert.calibration.Calibration`` with base ``paper``; the data-free ``"design"``
+    correction and base ``design`` depend on the realized sample (its tail_ess), which no prediction before
+    sampling has, and are refused with one line. check_only: check that much and return [].
+    """
+    if calibration == DESIGN_CORRECTION or not isinstance(calibration, Calibration):
+        raise ValueError(f"calibration={calibration!r}: a target is checked against a fitted calibration file only "
+                         "(the data-free 'design' correction depends on the realized sample)")
+    if calibration.base != "paper":
+        raise ValueError(f"calibration={calibration.source}: base={calibration.base!r}; a target needs base 'paper' "
+                         "(the design base depends on the realized sample)")
+    if check_only:  # the file's kind only (a cell's validation, before the model and strata are known)
+        return []
+    stratum = calibration.stratum(setting, policy, "poisson", budget)
+    if len(stratum["factors"]) < n_layers:
+        raise ValueError(f"calibration={calibration.source} holds {len(stratum['factors'])} layers; the model has "
+                         f"{n_layers}")
+    return [None if f is None else CalibratedScale(float(f), float(cw), float(nw), calibration.never_below_paper,
+                                                   ROUNDING)
+            for f, cw, nw in zip(stratum["factors"], stratum["cert_weights"], stratum["norm_weights"])][:n_layers]
+
+
+@dataclass(frozen=True)
+class WindowTerms:
+    """What the prediction needs of one layer, before any π: per (batch, kv_head, window query),
+
+    weights: (batch, kv_heads, w, n) float64 (computed in float32 unless the inputs are float64), Σ over the KV
+    head's query heads of a_i² ‖v_i − o‖²;
+    out_norm_sq: (batch, kv_heads, w) float64, ‖o‖² of the concatenated outputs of those query heads.
+    """
+
+    weights: torch.Tensor
+    out_norm_sq: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TargetChoice:
+    """The choice for one layer.
+
+    expected_count: (batch, kv_heads) long, the chosen Σπ; cap_count: the budget's count (an int, the same for
+    every head); n: prefix length; pi: (batch, kv_heads, n) float32, the design's π at the chosen count;
+    predicted: (batch, kv_heads) float64, the predicted (calibrated, if given) relative certificate at the chosen
+    count; met: (batch, kv_heads) bool, whether it is within ε (False only where the cap did not suffice).
+    """
+
+    expected_count: torch.Tensor
+    cap_count: int
+    n: int
+    pi: torch.Tensor
+    predicted: torch.Tensor
+    met: torch.Tensor
+
+
+def window_terms(view: LayerView) -> WindowTerms:
+    """The prediction's π-free terms of one layer (see WindowTerms), from its keys/values (batch, kv_heads, n, d)
+    and window queries (batch, q_heads, w, d), with the causal (and sliding-window) mask the window observed."""
+    b, hq, w, d = view.window_queries.shape
+    hk, n, group = view.keys.shape[1], view.n, view.group_size
+    # float32 for a float32/bf16 cache (as the certificate itself is computed), float64 for float64 inputs
+    dtype = compute_dtype(view.window_queries, view.keys, view.values)
+    q = view.window_queries.to(dtype).reshape(b, hk, group, w, d)
+    k = view.keys.to(dtype)
+    v = view.values.to(dtype)
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, k) * view.scale
+    q_pos = torch.arange(n - w, n, device=k.device).unsqueeze(-1)
+    k_pos = torch.arange(n, device=k.device)
+    allowed = k_pos <= q_pos
+    if view.sliding_window is not None:
+        allowed &= k_pos > q_pos - view.sliding_window
+    a = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)  # (b, hk, g, w, n)
+    o = torch.einsum("bhgwn,bhnd->bhgwd", a, v)
+    # ‖v_i − o‖² expanded; values centred on their mean first so the expansion keeps no large common offset
+    center = v.mean(dim=-2, keepdim=True)
+    vc, oc = v - center, o - center.unsqueeze(2)
+    dist = ((vc.square().sum(-1)[:, :, None, None, :] - 2 * torch.einsum("bhnd,bhgwd->bhgwn", vc, oc)
+             + oc.square().sum(-1).unsqueeze(-1)).clamp_min(0.0))
+    return WindowTerms(weights=(a.square() * dist).sum(2).to(torch.float64),
+                       out_norm_sq=o.square().sum((2, 4)).to(torch.float64))
+
+
+def predicted_relative_certificate(terms: WindowTerms, pi: torch.Tensor, target: Target,
+                                   calibration: CalibratedScale | None = None) -> torch.Tensor:
+    """The predicted relative certificate per (batch, kv_head): (batch, kv_heads) float64.
+
+    pi: (batch, kv_heads, n) in (0, 1]. Per window query sqrt(Σ_i (1−π_i)/π_i · weights_i / δ) / ‖o‖ (0 where
+    both vanish), then calibrated (if given), then the target's quantile over the window's queries.
+    """
+    pi = pi.to(torch.float64)
+    # π = 0 (a tail with no share: the count is the sinks + recent window) never retains a token: its term is
+    # unbounded where the window attends to it and 0 where it does not (a sliding window's far keys), not NaN
+    ratio = (1.0 - pi) / pi.clamp_min(1e-300)  # (b, hk, n)
+    trace = torch.einsum("bhwn,bhn->bhw", terms.weights, ratio)
+    cert = torch.sqrt(trace.clamp_min(0.0) / target.delta)
+    norm = terms.out_norm_sq.sqrt()
+    relative = torch.where(cert > 0, cert / norm, torch.zeros_like(cert))  # cert > 0 with ‖o‖ = 0 gives inf
+    if calibration is not None:
+        relative = calibration.apply(relative)
+    if target.window_quantile >= 1.0:
+        return relative.amax(-1)
+    return torch.quantile(relative, target.window_quantile, dim=-1, interpolation="higher")
+
+
+def exact_water_fill(scores: torch.Tensor, tail: torch.Tensor, target: torch.Tensor, pi_min: float,
+                     ascending: torch.Tensor | None = None) -> torch.Tensor:
+    """``kvcert.sampling._water_fill`` solved exactly instead of by 100 bisection steps: the same π.
+
+    scores: (R, n) float64; tail: (R, n) bool; target: (R,) float64 with pi_min·|tail| < target < |tail|;
+    ascending: (R, n) the tail's scores clamped at 0 in ascending order, +inf after them (sorted here if None).
+    Σ_tail clip(c·s, pi_min, 1) is continuous, non-decreasing and piecewise linear in c, with breakpoints
+    pi_min/s_i (s_i leaves the floor) and 1/s_i (s_i reaches the cap): the totals at the breakpoints come from
+    the sorted tail's prefix sums, the piece holding the target is bracketed by the nearest breakpoints on both
+    sides, and on it the level solves a linear equation. The scores get _water_fill's perturbation (strictly
+    positive, ties split by 1e-9 of the row's maximum), so both give one π. Returns (R, n) float64, zero off the
+    tail.
+    """
+    rows, n = scores.shape
+    if ascending is None:
+        ascending = torch.sort(torch.where(tail, scores.clamp_min(0.0), torch.full_like(scores, float("inf"))),
+                               dim=-1).values
+    size = tail.sum(-1, keepdim=True)  # |tail|: the finite entries of ``ascending`` come first
+    last = ascending.gather(-1, (size - 1).clamp_min(0))
+    row_max = torch.where(size > 0, last, torch.zeros_like(last)).clamp_min(0.0)  # _water_fill's max over the tail
+    shift = 1e-9 * row_max + 1e-300
+    s = scores.clamp_min(0.0) + shift
+    ascending = ascending + shift  # the perturbation keeps the order
+    finite = torch.where(torch.isfinite(ascending), ascending, torch.zeros_like(ascending))
+    prefix = torch.cat([torch.zeros_like(finite[:, :1]), finite.cumsum(-1)], dim=-1)  # (R, n + 1)
+
+    def pieces(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """At levels c (R, k): (capped count, floored count, Σ s of the tokens between floor and cap)."""
+        floored = torch.minimum(torch.searchsorted(ascending, pi_min / c, right=True), size)
+        below_cap = torch.minimum(torch.searchsorted(ascending, 1.0 / c, right=False), size)
+        return size - below_cap, floored, prefix.gather(-1, below_cap) - prefix.gather(-1, floored)
+
+    def total(c: torch.Tensor) -> torch.Tensor:
+        capped, floored, middle = pieces(c)
+        return capped + c * middle + pi_min * floored
+
+    goal = target.unsqueeze(-1)
+    low = torch.zeros_like(goal)
+    high = torch.full_like(goal, float("inf"))
+    # two sorted sequences of breakpoints (descending along the row; +inf entries give c = 0, all floored): in
+    # each, those whose total is <= target form a suffix. The nearest on either side of the target bracket its
+    # piece, which holds no other breakpoint.
+    for c in (pi_min / ascending, 1.0 / ascending):
+        above = (total(c) > goal).sum(-1, keepdim=True)  # the suffix starts here
+        low = torch.maximum(low, c.gather(-1, above.clamp_max(n - 1)).where(above < n, torch.zeros_like(low)))
+        nearest_above = c.gather(-1, (above - 1).clamp_min(0))
+        high = torch.minimum(high, nearest_above.where(above > 0, torch.full_like(high, float("inf"))))
+    capped, floored, middle = pieces(0.5 * (low + high))
+    level = (goal - capped - pi_min * floored) / middle.clamp_min(1e-300)
+    pi = (s * level).clamp(pi_min, 1.0)
+    return torch.where(tail, pi, torch.zeros_like(pi))
+
+
+@dataclass(frozen=True)
+class _Ranking:
+    """What a row's π needs that its count does not change, computed once per search.
+
+    rank: (R, n) long, the rank among the non-certain tokens by score (stable: ties by position), n for certain
+    ones; ascending: (R, n) float64, the non-certain scores clamped at 0 in ascending order, +inf after them;
+    free: the number of non-certain tokens (the same in every row)."""
+
+    rank: torch.Tensor
+    ascending: torch.Tensor
+    free: int
+
+
+def _ranking(flat: torch.Tensor, certain: torch.Tensor) -> _Ranking:
+    rows, n = flat.shape
+    ranked = torch.where(certain, torch.full_like(flat, float("-inf")), flat.clamp_min(0.0))
+    order = torch.argsort(-ranked, dim=-1, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=flat.device).expand(rows, n))
+    free = n - int(certain[0].sum())
+    descending = ranked.gather(-1, order)[:, :free]
+    ascending = torch.cat([descending.flip(-1), torch.full_like(flat[:, free:], float("inf"))], dim=-1)
+    return _Ranking(torch.where(certain, torch.full_like(rank, n), rank), ascending, free)
+
+
+def row_inclusion_probabilities(scores: torch.Tensor, counts: torch.Tensor, options: DesignOptions,
+                                certain_top_slice: bool = True, ranking: _Ranking | None = None) -> torch.Tensor:
+    """``kvcert.sampling.inclusion_probabilities`` with one expected count per row.
+
+    scores: (..., n) importance; counts: (...) integer expected counts (raised to sinks + recent window);
+    ranking: the rows' ``_ranking`` when already computed (it does not depend on the counts).
+    Returns (..., n) float64 π: for every row, what inclusion_probabilities(row, count) gives (the top slice's
+    ties are broken by position). tests/test_targets.py checks the two agree row by row.
+    """
+    n = scores.shape[-1]
+    head_fraction = options.head_fraction if certain_top_slice else 0.0
+    flat = scores.reshape(-1, n).to(torch.float64)
+    rows = flat.shape[0]
+    count = counts.reshape(rows).to(torch.float64).clamp_min(minimum_count(n, options.n_sink, options.n_recent))
+    certain = certain_mask(n, options.n_sink, options.n_recent, scores.device).expand(rows, n)
+    ranking = ranking if ranking is not None else _ranking(flat, certain)
+    n_certain = n - ranking.free
+    n_top = torch.floor(head_fraction * (count - n_certain)).clamp_min(0)  # int() of a non-negative number
+    head = certain | (ranking.rank < n_top.unsqueeze(-1))
+    tail = ~head
+    # the tail's sorted scores: the non-certain ones without the top slice, i.e. without the largest n_top
+    kept = torch.arange(n, device=scores.device) < (ranking.free - n_top).unsqueeze(-1)
+    ascending = torch.where(kept, ranking.ascending, torch.full_like(flat, float("inf")))
+    n_tail = (n - n_certain - n_top).clamp_min(1.0)
+    share = count - n_certain - n_top
+    uniform = (options.pi_min * n_tail >= share).unsqueeze(-1)
+    filled = exact_water_fill(flat, tail, share, options.pi_min, ascending)
+    pi_tail = torch.where(uniform, (share / n_tail).unsqueeze(-1).expand(rows, n), filled)
+    pi = torch.where(head, torch.ones_like(flat), torch.where(tail, pi_tail, torch.zeros_like(flat)))
+    pi = torch.where((count >= n).unsqueeze(-1), torch.ones_like(pi), pi)
+    return pi.reshape(scores.shape)
+
+
+def choose_expected_counts(view: LayerView, scores: torch.Tensor, target: Target, budget: float,
+                           options: DesignOptions = DesignOptions(), certain_top_slice: bool = True,
+                           calibration: CalibratedScale | None = None,
+                           terms: WindowTerms | None = None, check: bool = True) -> TargetChoice:
+    """The smallest expected count per (batch, kv_head) whose predicted certificate meets the target.
+
+    view: the layer's prefill state (keys/values (batch, kv_heads, n, d), window queries (batch, q_heads, w, d));
+    scores: (batch, kv_heads, n) the policy's importance; budget: the cap, a fraction in (0, 1];
+    calibration: the layer's calibrated certificate, checked against the target instead of ε̂_rel; terms: the
+    layer's window_terms when already computed (check=False: rows of several layers stacked, view only typed).
+    Bisection over integer counts in [sinks + recent window, retained_count(budget, n)] (the prediction is
+    non-increasing in the count: see the module's docstring).
+    """
+    n = scores.shape[-1]
+    if check and (scores.shape[:2] != view.keys.shape[:2] or n != view.n):
+        raise ValueError(f"scores {tuple(scores.shape)} do not match the layer's keys {tuple(view.keys.shape)}")
+    terms = terms if terms is not None else window_terms(view)
+    cap = retained_count(budget, n, options.n_sink, options.n_recent)
+    low = minimum_count(n, options.n_sink, options.n_recent)
+    shape = scores.shape[:-1]
+
+    flat = scores.reshape(-1, n).to(torch.float64)
+    ranking = _ranking(flat, certain_mask(n, options.n_sink, options.n_recent, scores.device).expand_as(flat))
+
+    def predict(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pi = row_inclusion_probabilities(scores, counts, options, certain_top_slice, ranking)
+        return pi, predicted_relative_certificate(terms, pi, target, calibration)
+
+    lo = torch.full(shape, low, dtype=torch.long, device=scores.device)
+    hi = torch.full(shape, cap, dtype=torch.long, device=scores.device)
+    _, at_low = predict(lo)
+    _, at_cap = predict(hi)
+    # invariant for the rows still searching: the prediction at lo misses ε, the one at hi meets it
+    hi = torch.where(at_low <= target.error, lo, hi)
+    lo = torch.where(at_low <= target.error, lo - 1, lo)
+    searching = (at_cap <= target.error) & (hi - lo > 1)
+    while bool(searching.any()):
+        mid = torch.where(searching, (lo + hi) // 2, hi)
+        _, at_mid = predict(mid)
+        meets = at_mid <= target.error
+        hi = torch.where(searching & meets, mid, hi)
+        lo = torch.where(searching & ~meets, mid, lo)
+        searching = (at_cap <= target.error) & (hi - lo > 1)
+    pi, predicted = predict(hi)
+    return TargetChoice(expected_count=hi, cap_count=cap, n=n, pi=pi.to(torch.float32), predicted=predicted,
+                        met=predicted <= target.error)
+
+
+def target_design(view: LayerView, scores: torch.Tensor, target: Target, budget: float,
+                  options: DesignOptions = DesignOptions(), generator: torch.Generator | None = None,
+                  certain_top_slice: bool = True,
+                  calibration: CalibratedScale | None = None) -> tuple[Selection, TargetChoice]:
+    """The Poisson design at the targeted expected count: (Selection with index/log_pi (batch, kv_heads, k),
+    the layer's TargetChoice). Draws from ``generator`` as ``poisson_design`` does (one draw per slot)."""
+    choice = choose_expected_counts(view, scores, target, budget, options, certain_top_slice, calibration)
+    keep = poisson_sample(choice.pi.cpu(), generator).to(scores.device)
+    return _pack(keep, torch.log(choice.pi)), choice
+
+
+# The per-(layer, KV head) log of a targeted selection (GenerationResult.target_choice; a target cell's
+# targets.parquet adds the run's KEY_COLUMNS).
+CHOICE_COLUMNS = ["layer", "kv_head", "expected_count", "cap_count", "context_tokens", "retained", "predicted_rel_cert",
+                  "met"]
+
+
+def targeted_selections(views: list[LayerView], scores: list[torch.Tensor], target: Target, budget: float,
+                        options: DesignOptions = DesignOptions(), seed: int = 0, certain_top_slice: bool = True,
+                        scales: list[CalibratedScale | None] | None = None, row: int = 0
+                        ) -> tuple[list[Selection], pd.DataFrame]:
+    """Every layer's targeted Poisson selection and the choice log (CHOICE_COLUMNS, one row per layer and KV head
+    of batch row ``row``). views/scores: per layer, as ``kvcert.generation.select`` reads them (scores
+    (batch, kv_heads, n)); the draws follow ``seed`` layer after layer, as ``select`` does."""
+    generator = torch.Generator().manual_seed(int(seed))
+    choices = _choose_all_layers(views, scores, target, budget, options, certain_top_slice, scales)
+    selections, frames = [], []
+    for layer, choice in enumerate(choices):
+        # drawn layer after layer from one generator, as poisson_design is by ``select``
+        keep = poisson_sample(choice.pi.cpu(), generator).to(scores[layer].device)
+        selection = _pack(keep, torch.log(choice.pi))
+        selections.append(selection)
+        heads = choice.expected_count.shape[1]
+        frames.append(pd.DataFrame({
+            "layer": np.full(heads, layer), "kv_head": np.arange(heads),
+            "expected_count": choice.expected_count[row].cpu().numpy(), "cap_count": np.full(heads, choice.cap_count),
+            "context_tokens": np.full(heads, choice.n), "retained": selection.retained[row].cpu().numpy(),
+            "predicted_rel_cert": choice.predicted[row].cpu().numpy(), "met": choice.met[row].cpu().numpy(),
+        }))
+    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=CHOICE_COLUMNS)
+    return selections, frame[CHOICE_COLUMNS]
+
+
+def _choose_all_layers(views, scores, target, budget, options, certain_top_slice, scales) -> list[TargetChoice]:
+    """Every layer's TargetChoice. Layers of one shape are searched together, their (batch, kv_heads) rows
+    stacked, so that a bisection step is a few operations for the whole model instead of per layer (the same
+    choice: rows never interact)."""
+    if not views:
+        return []
+    same_shape = len({tuple(layer_scores.shape) for layer_scores in scores}) == 1
+    if not same_shape:
+        return [choose_expected_counts(view, layer_scores, target, budget, options, certain_top_slice,
+                                       scales[i] if scales is not None else None)
+                for i, (view, layer_scores) in enumerate(zip(views, scores))]
+    terms = [window_terms(view) for view in views]
+    stacked = WindowTerms(torch.cat([t.weights for t in terms]), torch.cat([t.out_norm_sq for t in terms]))
+    batch = scores[0].shape[0]
+    calibration = None
+    if scales is not None and any(scale is not None for scale in scales):
+        identity = CalibratedScale(1.0, 1.0, 0.0, True, 0.0)  # a layer without a factor: its paper certificate
+        rows = [scale or identity for scale in scales for _ in range(batch)]
+        column = lambda name: torch.tensor([float(getattr(r, name)) for r in rows],  # noqa: E731
+                                           dtype=torch.float64, device=scores[0].device).view(-1, 1, 1)
+        calibration = _RowScales(column("factor"), column("cert_weight"), column("norm_weight"),
+                                 column("never_below_paper").bool(), column("floor"))
+    choice = choose_expected_counts(views[0], torch.cat(scores), target, budget, options, certain_top_slice,
+                                    calibration, stacked, check=False)
+    return [TargetChoice(choice.expected_count[i * batch:(i + 1) * batch], choice.cap_count, choice.n,
+                         choice.pi[i * batch:(i + 1) * batch], choice.predicted[i * batch:(i + 1) * batch],
+                         choice.met[i * batch:(i + 1) * batch]) for i in range(len(views))]
+
+
+@dataclass(frozen=True)
+class _RowScales:
+    """CalibratedScale with one value per stacked row: tensors (rows, 1, 1) broadcast over (rows, kv_heads, w)."""
+
+    factor: torch.Tensor
+    cert_weight: torch.Tensor
+    norm_weight: torch.Tensor
+    never_below_paper: torch.Tensor
+    floor: torch.Tensor
+
+    def apply(self, relative: torch.Tensor) -> torch.Tensor:
+        calibrated = self.factor * (self.cert_weight * relative + self.norm_weight)
+        calibrated = torch.where(self.never_below_paper, torch.maximum(calibrated, relative), calibrated)
+        return torch.maximum(calibrated, self.floor)
+
+
+def check_target(design: str, target_error, target_delta) -> Target | None:
+    """The Target of ``generate``'s / a cell's keys, or None without one; one clear line for a bad one."""
+    if target_error is None:
+        if target_delta is not None:
+            raise ValueError(f"target_delta={target_delta!r} is set but target_error is null: give both or neither")
+        return None
+    if design != "poisson":
+        raise ValueError(f"target_error={target_error!r} needs design 'poisson' (a Poisson sample of the chosen size); "
+                         f"got design {design!r}")
+    return Target(error=float(target_error) if isinstance(target_error, (int, float)) else target_error,
+                  delta=DELTA if target_delta is None else target_delta)
+
+
+__all__ = ["CHOICE_COLUMNS", "CalibratedScale", "Target", "TargetChoice", "WindowTerms", "calibrated_scales",
+           "check_target", "choose_expected_counts", "exact_water_fill", "predicted_relative_certificate",
+           "row_inclusion_probabilities", "target_design", "targeted_selections", "window_terms"]
