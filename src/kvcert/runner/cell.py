@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from ..generation import FULL, Prefill, decode_batch, eos_ids, item_seed, prefill, select
 from ..kernels import attention_path
 from ..models import ModelSpec, load_model
-from ..policies import prefill_needs
+from ..policies import get_policy, prefill_needs
 from ..prompts import PromptIds, build_prompt, model_limit
 from ..provenance import code_fingerprint, sha256_file, short
 from ..schema import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS
