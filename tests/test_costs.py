@@ -96,13 +96,15 @@ def test_plan_prints_jobs_memory_and_gpu_hours_for_the_paper_scale():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert "jobs per rule: cell 144" in out
-    for cell in ("qwen7b-longbench16k-streaming", "llama8b-ruler-question_aware", "mistral7b-longbench6k-streaming"):
+    assert "jobs per rule: cell 160" in out  # study paper's 18 cells x 8 shards, the leaderboard's 4 x 4
+    for cell in ("paper/qwen7b-longbench16k-streaming", "paper/llama8b-ruler-question_aware",
+                 "paper/mistral7b-longbench6k-streaming", "leaderboard/query_agnostic", "leaderboard/query_aware_adakv"):
         assert cell in out
+    assert "model qwen3_8b: 8.19B parameters, 36 layers, 32 query / 8 KV heads of 128" in out
     assert "H200-141GB" in out and "GPU-hours" in out and "about 70 GPU-hours" in out
     plan = json.loads(subprocess.run([sys.executable, "-m", "kvcert.plan", "scale=paper", "--root", str(ROOT),
                                       "--json"], env=ENV, capture_output=True, text=True, timeout=600).stdout)
-    assert len(plan["cells"]) == 18 and plan["jobs"]["cell"] == 144
+    assert len(plan["cells"]) == 22 and plan["jobs"]["cell"] == 160
     assert all(c["fits_gb"]["141"] for c in plan["cells"])
     assert 0 < plan["gpu_hours"]["H200-141GB"] < plan["gpu_hours"]["A100-40GB"]
 

@@ -41,7 +41,10 @@ def _keys(overrides: list[str]) -> list[str]:
 
 
 def test_rehearsal_keeps_the_paper_matrix_grid_and_claims():
-    paper, rehearse = load_scale("paper", SCALES), load_scale("rehearse", SCALES)
+    paper_scale, rehearse_scale = load_scale("paper", SCALES), load_scale("rehearse", SCALES)
+    # the claims study's matrix, expanded with the scale's models and grid (kvcert.scales.studies does so)
+    paper = {**paper_scale, **paper_scale["studies"]["paper"]}
+    rehearse = {**rehearse_scale, **rehearse_scale["studies"]["paper"]}
     raw = yaml.safe_load((SCALES / "rehearse.yaml").read_text())
     assert raw["base"] == "paper" and set(raw) <= {"base", "purpose", "substitute"}
     assert rehearse["grid"] == paper["grid"]
@@ -78,15 +81,40 @@ def test_a_change_of_the_paper_scale_reaches_the_rehearsal(tmp_path):
     paper_file = tmp_path / "scales" / "paper.yaml"
     paper = yaml.safe_load(paper_file.read_text())
     paper["grid"] = [g.replace("budgets=[0.1,0.25,0.5,0.75]", "budgets=[0.2,0.4]") for g in paper["grid"]]
-    paper["matrix"]["settings"] = ["streaming"]
-    paper["matrix"]["data"]["ruler"].append("data.haystack=prose")
+    paper["studies"]["paper"]["matrix"]["settings"] = ["streaming"]
+    paper["studies"]["paper"]["matrix"]["data"]["ruler"].append("data.haystack=prose")
     paper_file.write_text(yaml.safe_dump(paper, sort_keys=False))
-    rehearse = load_scale("rehearse", tmp_path / "scales")
+    rehearse_scale = load_scale("rehearse", tmp_path / "scales")
+    rehearse = {**rehearse_scale, **rehearse_scale["studies"]["paper"]}
     assert "budgets=[0.2,0.4]" in rehearse["grid"]
     assert rehearse["matrix"]["settings"] == ["streaming"]
     assert override_value(rehearse["matrix"]["data"]["ruler"], "data.haystack") == "prose"
     assert override_value(rehearse["matrix"]["data"]["ruler"], "data.context_tokens") == 800  # rehearse.yaml's substitute
     assert all(name.endswith("-streaming") for name in expand_cells(rehearse))
+
+
+def test_the_leaderboard_study_is_tabulated_beside_the_paper_study():
+    """Cells paper/<model>-<data>-<setting> (not named after study v2); the leaderboard's cells are exploratory
+    (no claim reads them) on Qwen3-8B at RULER 4k, kvpress's ratios as budgets, both designs, and AdaKV."""
+    for name in ("paper", "rehearse"):
+        scale = load_scale(name, SCALES)
+        assert list(studies(scale)) == ["paper"]
+        cells = study_cells(scale)
+        assert {study for study, _ in cells} == {"paper", "leaderboard"}
+        board = {cell: cell_overrides(scale, spec) for (study, cell), spec in cells.items() if study == "leaderboard"}
+        assert set(board) == {"query_agnostic", "query_agnostic_pyramidkv", "query_aware", "query_aware_adakv"}
+        for cell, overrides in board.items():
+            assert override_value(overrides, "model.name") == (
+                "Qwen/Qwen3-8B" if name == "paper" else "results/rehearse/standins/models/qwen3")
+            assert override_value(overrides, "budgets") == [0.75, 0.5, 0.25, 0.125]
+            assert override_value(overrides, "designs") == ["topk", "poisson"]
+            assert override_value(overrides, "setting") == ("question_aware" if "aware" in cell.split("_")
+                                                            else "streaming")
+        assert override_value(board["query_aware_adakv"], "allocator") == "adakv"
+        assert override_value(board["query_aware"], "allocator") is None
+    paper = load_scale("paper", SCALES)
+    assert override_value(cell_overrides(paper, study_cells(paper)[("leaderboard", "query_agnostic")]),
+                          "data.context_tokens") == 4096
 
 
 def test_substitution_rules():
@@ -131,7 +159,7 @@ def test_bad_derived_scales_are_one_line(tmp_path, case):
 
 def test_a_cell_is_typed_and_read_as_kvcert_run_reads_it():
     paper = load_scale("paper", SCALES)
-    cell = expand_cells(paper)["qwen7b-ruler-streaming"]
+    cell = studies(paper)["paper"]["cells"]["qwen7b-ruler-streaming"]
     values = parse_overrides(cell_overrides(paper, cell))
     # paper.yaml: the grid's budgets and the matrix's setting, typed by Hydra's override grammar
     assert values["budgets"] == [0.1, 0.25, 0.5, 0.75] and values["setting"] == "streaming"
@@ -160,7 +188,7 @@ def test_bad_cells_are_one_line(case):
 
 def test_longbench_cells_read_the_fetched_copy_unless_they_have_a_path():
     paper, rehearse = load_scale("paper", SCALES), load_scale("rehearse", SCALES)
-    paper_cells = expand_cells(paper)
+    paper_cells = studies(paper)["paper"]["cells"]
     assert longbench_subsets(paper, paper_cells) == yaml.safe_load(
         (ROOT / "src" / "kvcert" / "conf" / "data" / "longbench.yaml").read_text())["subsets"]
     assert needs_longbench_copy(paper, paper_cells["qwen7b-longbench6k-streaming"])

@@ -1,6 +1,7 @@
 """Architectures of the paper's models, and how to find the configuration of any model a scale names.
 
-``PUBLISHED`` holds the architecture fields of the three models of the paper scale as their
+``PUBLISHED`` holds the architecture fields of the paper scale's models (its study's three and the
+leaderboard study's Qwen3-8B) as their
 ``config.json`` on the Hugging Face hub gives them, so that the cost model can size them (and the
 stand-ins can copy their shape) on a machine that has neither the weights nor the network.
 """
@@ -36,6 +37,17 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 32768,
         "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-05,
         "sliding_window": None, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    # Qwen3 normalises each query and key head (RMSNorm of head_dim, "qk-norm") before RoPE; the model class
+    # carries that, so no field says it. head_dim is explicit: 32 x 128 = 4096 = hidden_size.
+    "Qwen/Qwen3-8B": {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+        "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
+        "use_sliding_window": False, "sliding_window": None, "max_window_layers": 36,
+        "torch_dtype": "bfloat16",
     },
 }
 

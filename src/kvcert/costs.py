@@ -35,6 +35,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
 
 
+# Model types whose attention normalises each query and key head (one weight of head_dim each, shared by heads).
+QK_NORM_MODEL_TYPES = frozenset({"qwen3"})
+
+
 @dataclass(frozen=True)
 class Architecture:
     """The sizes of a decoder-only transformer that memory and FLOPs depend on."""
@@ -48,6 +52,7 @@ class Architecture:
     vocab: int
     tied: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # an RMSNorm weight of head_dim on each query and key head (Qwen3)
 
     @classmethod
     def from_config(cls, config) -> Architecture:
@@ -61,13 +66,15 @@ class Architecture:
             intermediate=int(text.intermediate_size), vocab=int(text.vocab_size),
             tied=bool(getattr(text, "tie_word_embeddings", False)),
             qkv_bias=getattr(text, "model_type", "") == "qwen2" or bool(getattr(text, "attention_bias", False)),
+            qk_norm=getattr(text, "model_type", "") in QK_NORM_MODEL_TYPES,
         )
 
     @property
     def layer_parameters(self) -> int:
-        """Parameters of one decoder layer: attention projections, gated MLP, two norms."""
+        """Parameters of one decoder layer: attention projections (and Qwen3's q/k norms), gated MLP, two norms."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         attention = self.hidden * (q + 2 * kv) + q * self.hidden + ((q + 2 * kv) if self.qkv_bias else 0)
+        attention += 2 * self.head_dim if self.qk_norm else 0
         return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
 
     @property

@@ -1,9 +1,10 @@
 """Stand-ins for rehearsing a scale whose models and data cannot run here.
 
-* Models: random-weight models with the architectures of the paper's models (Qwen2.5-7B, Llama-3.1-8B,
-  Mistral-7B-v0.3), shrunk: fewer layers and narrower heads, but the same model class, the same ratio
-  of query heads to KV heads (GQA), Qwen2's q/k/v biases, Llama 3.1's rope scaling, each model's rope
-  base and sliding-window setting. They are saved with ``save_pretrained`` in bfloat16, with a real
+* Models: random-weight models with the architectures of the paper scale's models (Qwen2.5-7B,
+  Llama-3.1-8B, Mistral-7B-v0.3, and the leaderboard study's Qwen3-8B), shrunk: fewer layers and narrower
+  heads, but the same model class, the same ratio of query heads to KV heads (GQA), Qwen2's q/k/v biases,
+  Qwen3's per-head query/key norms, Llama 3.1's rope scaling, each model's rope base and sliding-window
+  setting. They are saved with ``save_pretrained`` in bfloat16, with a real
   tokenizer (the bundled SmolLM2's), as local Hugging Face directories that ``model=hf
   model.name=<dir>`` loads offline. Their answers are nonsense: they exercise the plumbing (shapes,
   dtypes, GQA, biases, rope variants, batching, tables), not the method. Optionally they also stop on
@@ -37,6 +38,7 @@ MODELS = {
     "qwen2": "Qwen/Qwen2.5-7B-Instruct",
     "llama": "meta-llama/Llama-3.1-8B-Instruct",
     "mistral": "mistralai/Mistral-7B-Instruct-v0.3",
+    "qwen3": "Qwen/Qwen3-8B",
 }
 
 

@@ -154,8 +154,10 @@ def check_submissions(c: Checks, log: str, profile: dict, scale: dict, cells: di
 
 
 def check_outputs(c: Checks, out: Path, scale: dict, cells: dict) -> dict:
-    models = {str(override_value(list(v), "model.name")) for v in scale["models"].values()}
-    (study,) = [name for name, st in studies(scale).items() if not st["archived"]]  # the paper scale is one study
+    # The claims pool the models of the scale's one claims study (its exploratory studies' models are not read).
+    (study,) = [name for name, st in studies(scale).items() if not st["archived"]]
+    models = {str(override_value(list(scale["models"][spec["model"]]), "model.name"))
+              for spec in studies(scale)[study]["cells"].values()}
     for (owner, cell), spec in cells.items():
         for shard in range(spec["shards"]):
             path = out / owner / "cells" / cell / f"shard-{shard}" / "items.parquet"
@@ -178,6 +180,16 @@ def check_outputs(c: Checks, out: Path, scale: dict, cells: dict) -> dict:
             c.check("verdict" in entry or bool(entry.get("error")), f"{claim}: by_model[{model}] has neither a verdict nor an error")
         summary[claim] = {"verdict": result.get("verdict"),
                           "by_model": {m: e.get("verdict") or "error" for m, e in by_model.items()}}
+    for name, spec in (scale.get("exploratory") or {}).items():
+        if spec.get("table") != "accuracy":
+            continue
+        path = out / name / "accuracy.csv"
+        if c.check(path.is_file(), f"{path}: missing"):
+            table = pd.read_csv(path)
+            want = {str(v) for o in [*spec["base"], *(x for v in spec["variants"].values() for x in v)]
+                    if o.startswith("allocator=") for v in [o.split("=", 1)[1]]} | {"uniform"}
+            c.check(set(table.get("allocator", pd.Series(["uniform"]))) == want,
+                    f"{path}: allocators {sorted(set(table.get('allocator', [])))}, expected {sorted(want)}")
     claims_csv = out / "claims.csv"
     if c.check(claims_csv.is_file(), f"{claims_csv}: missing"):
         c.check(sorted(pd.read_csv(claims_csv)["claim"]) == CLAIMS, f"{claims_csv}: not one row per claim")

@@ -2,7 +2,7 @@
 # Driver for `make rehearse-paper`: the paper scale's DAG, end to end, through the real SLURM profile
 # (workflow/profiles/slurm) on the private one-node cluster, with stand-in models and data.
 #
-# 1. stand-ins: three random-weight models with the paper models' architectures (bfloat16 HF
+# 1. stand-ins: four random-weight models with the paper scale models' architectures (bfloat16 HF
 #    directories, real tokenizer) and a LongBench-format copy (python -m kvcert.standins);
 # 2. cluster-up.sh; snakemake --workflow-profile workflow/profiles/slurm --config scale=rehearse, with
 #    the profile's site variables set (KVCERT_SLURM_ACCOUNT / _PARTITION, KVCERT_SLURM_CELL_GPUS=0);
@@ -35,7 +35,7 @@ if [[ "${KVCERT_REHEARSE_KEEP:-0}" != 1 ]]; then
   rm -rf "$OUT"
 fi
 mkdir -p "$OUT"
-if [[ ! -f "$OUT/standins/longbench/narrativeqa.jsonl" ]]; then
+if [[ ! -f "$OUT/standins/longbench/narrativeqa.jsonl" || ! -f "$OUT/standins/models/qwen3/config.json" ]]; then
   say "building stand-in models and the LongBench-format copy in $OUT/standins"
   "$PYTHON" -m kvcert.standins --out "$OUT/standins" --head-dim 8 --stop-fraction 0.2 --longbench-tokens 2400 \
     >/dev/null 2>"$OUT/standins.log" || { tail -n 20 "$OUT/standins.log" >&2; fail "building the stand-ins failed"; }

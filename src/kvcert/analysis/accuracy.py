@@ -21,17 +21,25 @@ from kvcert.analysis.errors import AnalysisError
 from kvcert.atomic import write_text_atomic
 
 COLUMNS = ["model", "task", "setting", "policy", "design", "budget", "accuracy", "n"]
+# Cells run with a non-uniform allocator carry an ``allocator`` column (kvcert.schema.ALLOCATOR_ITEM_COLUMNS);
+# when any cell does, the table gains that column after ``policy`` (rows of the other cells say ``uniform``),
+# so that one policy's rows under two allocators stay apart. Tables of uniform cells alone are unchanged.
+ALLOCATOR = "allocator"
 
 
 def accuracy_table(items: pd.DataFrame) -> pd.DataFrame:
-    """One row per (model, task, setting, policy, design, budget) of an items table."""
-    keys = [c for c in ("model", "task") if c in items.columns] + ["setting", "policy", "design", "budget"]
+    """One row per (model, task, setting, policy[, allocator], design, budget) of an items table."""
+    columns = list(COLUMNS)
+    if ALLOCATOR in items.columns:
+        items = items.assign(**{ALLOCATOR: items[ALLOCATOR].fillna("uniform")})
+        columns.insert(columns.index("policy") + 1, ALLOCATOR)
+    keys = [c for c in ("model", "task") if c in items.columns] + columns[columns.index("setting"):-2]
     rows = []
     for values, group in items.groupby(keys, sort=True):
         per_item = group.groupby(data.unit_columns(group))["correct"].apply(lambda s: s.astype(float).mean())
         rows.append({**dict(zip(keys, values)), "accuracy": round(100 * float(per_item.mean()), 4),
                      "n": int(len(per_item))})
-    return pd.DataFrame(rows).reindex(columns=COLUMNS)
+    return pd.DataFrame(rows).reindex(columns=columns)
 
 
 def main(argv: list[str] | None = None) -> int:
