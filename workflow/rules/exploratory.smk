@@ -1,9 +1,30 @@
-# Exploratory analyses (labelled as such; no claim reads them): for each `exploratory:` study of a scale, a
-# table and a figure of how the results move with the knobs its variants change
-# (workflow/scripts/sensitivity.py). `make sensitivity` runs the `sensitivity` scale.
+# Exploratory analyses (labelled as such; no claim reads them). Each `exploratory:` study of a scale names its
+# analysis (kvcert.scales.EXPLORATORY_ANALYSES): `sensitivity` (the default), a table and a figure of how the results
+# move with the knobs its variants change (workflow/scripts/sensitivity.py; `make sensitivity`), or
+# `certified_budgets`, targets against fixed budgets and allocators (workflow/scripts/certified_budgets.py;
+# `make certified-budgets`).
+from kvcert.scales import override_value
 
-EXPLORATORY_OUTPUTS = [path for name in EXPLORATORY
-                       for path in (f"{OUT}/{name}/{name}.csv", f"{FIG}/{name}.png", f"{FIG}/{name}.pdf")]
+SENSITIVITY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "sensitivity"]
+CERTIFIED_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "certified_budgets"]
+CERTIFIED_TABLES = ("summary", "coverage_by_layer", "targets")
+
+EXPLORATORY_OUTPUTS = [
+    *(path for name in SENSITIVITY_STUDIES
+      for path in (f"{OUT}/{name}/{name}.csv", f"{FIG}/{name}.png", f"{FIG}/{name}.pdf")),
+    *(path for name in CERTIFIED_STUDIES
+      for path in (*(f"{OUT}/{name}/{table}.csv" for table in CERTIFIED_TABLES),
+                   f"{FIG}/{name}/{name}.png", f"{FIG}/{name}/{name}.pdf")),
+]
+
+
+def certified_cells(study):
+    """{cell: {model, variant, target_error (None: fixed budgets), dirs}} of a certified-budgets study."""
+    spec = EXPLORATORY[study]
+    return {cell: {"model": c["model"], "variant": spec["variant"][cell],
+                   "target_error": override_value(cell_overrides(S, c), "target_error"),
+                   "dirs": [d for d in cell_dirs(study) if f"/cells/{cell}/" in d]}
+            for cell, c in spec["cells"].items()}
 
 
 rule sensitivity_table:
@@ -17,7 +38,7 @@ rule sensitivity_table:
     log:
         f"{OUT}/logs/{{name}}.log",
     wildcard_constraints:
-        name="|".join(EXPLORATORY) or "no-exploratory-study",
+        name="|".join(SENSITIVITY_STUDIES) or "no-sensitivity-study",
     params:
         analysis=ANALYSIS_FINGERPRINT,
         cells=lambda wc: {variant: [d for d in cell_dirs(wc.name) if f"/cells/{variant}/" in d]
@@ -26,3 +47,26 @@ rule sensitivity_table:
         knobs=lambda wc: S["exploratory"][wc.name].get("knobs", {}),
     script:
         "../scripts/sensitivity.py"
+
+
+rule certified_budgets:
+    input:
+        item_tables=lambda wc: [f"{d}/items.parquet" for d in cell_dirs(wc.name)],
+        step_tables=lambda wc: [f"{d}/steps.parquet" for d in cell_dirs(wc.name)],
+    output:
+        summary=f"{OUT}/{{name}}/summary.csv",
+        coverage=f"{OUT}/{{name}}/coverage_by_layer.csv",
+        targets=f"{OUT}/{{name}}/targets.csv",
+        png=report(f"{FIG}/{{name}}/{{name}}.png", category="Exploratory"),
+        pdf=f"{FIG}/{{name}}/{{name}}.pdf",
+    log:
+        f"{OUT}/logs/{{name}}.log",
+    wildcard_constraints:
+        name="|".join(CERTIFIED_STUDIES) or "no-certified-budgets-study",
+    params:
+        analysis=ANALYSIS_FINGERPRINT,
+        cells=lambda wc: certified_cells(wc.name),
+        epsilons=lambda wc: S["exploratory"][wc.name]["targets"],
+        delta=lambda wc: S["exploratory"][wc.name]["delta"],
+    script:
+        "../scripts/certified_budgets.py"
