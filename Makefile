@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install peers model device-check device-carry device-check-standin test test-heldout test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
+.PHONY: install peers model device-check device-carry device-check-standin test test-heldout test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity certified-budgets verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
 	rehearse-paper plan
 
 $(STAMP): pyproject.toml
@@ -133,6 +133,11 @@ reproduce-v3: install
 ## on version 2's population (outside `all`; about 45 minutes on 2 cores).
 sensitivity: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=sensitivity
+
+## The exploratory certified-budgets study (docs/studies/certified-budgets.md): targets against fixed budgets and
+## allocators on both bundled models; the scale file states its estimated time on 2 cores.
+certified-budgets: install
+	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=certified-budgets
 
 ## An amendment's pilot and design (make pilot-amendment AMENDMENT=N; default the newest): for an amendment whose
 ## data names the staged pilot, stages A-D per model on pilot items, the rules applied (pilot.csv,

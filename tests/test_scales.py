@@ -196,7 +196,7 @@ def test_longbench_cells_read_the_fetched_copy_unless_they_have_a_path():
     assert longbench_subsets(rehearse, expand_cells(rehearse)) == []
 
 
-@pytest.mark.parametrize("scale", ["paper", "rehearse", "smoke", "default", "sensitivity"])
+@pytest.mark.parametrize("scale", ["paper", "rehearse", "smoke", "default", "sensitivity", "certified-budgets"])
 def test_the_dag_runs_the_jobs_the_expansion_lists(scale):
     proc = subprocess.run([str(BIN / "snakemake"), "-n", "--quiet", "rules", "--config", f"scale={scale}",
                            f"outdir=results/dryrun-{scale}"], cwd=ROOT, env=ENV, capture_output=True, text=True,

@@ -261,13 +261,41 @@ def studies(scale: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+# What reads an exploratory study's cells (a rule of workflow/rules/exploratory.smk each): the one-knob-at-a-time
+# sensitivity table unless the study names another.
+EXPLORATORY_ANALYSES = ("sensitivity", "certified_budgets", "accuracy")
+
+
 def exploratory(scale: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """{study: {"cells": {variant: Cell}}} of the scale's exploratory studies (one cell per variant)."""
-    return {name: {"cells": {variant: checked_cell(scale, f"{name}/{variant}", {
-                                 "model": spec["model"], "shards": spec.get("shards", 1),
-                                 "overrides": [*spec["base"], *extra]})
-                             for variant, extra in spec["variants"].items()}}
-            for name, spec in (scale.get("exploratory") or {}).items()}
+    """{study: {"cells": {cell: Cell}, "variant": {cell: variant}, "analysis": name}} of the scale's exploratory
+    studies.
+
+    A study on one ``model`` runs one cell per variant, named as the variant. A study on several ``models``
+    (a mapping of model key to the overrides that model's cells add after the base, e.g. its workload and
+    SnapKV knobs) runs one cell per model and variant, named ``<model>-<variant>``; the variant's overrides
+    come last. ``analysis`` (EXPLORATORY_ANALYSES; default ``sensitivity``) names the rule that reads them.
+    """
+    out = {}
+    for name, spec in (scale.get("exploratory") or {}).items():
+        where = f"scale={scale.get('name', '?')}: exploratory study {name}"
+        analysis = spec.get("analysis", "sensitivity")
+        if analysis not in EXPLORATORY_ANALYSES:
+            raise ScaleError(f"{where}: analysis={analysis!r}: unknown; known: {', '.join(EXPLORATORY_ANALYSES)}")
+        if ("model" in spec) == ("models" in spec):
+            raise ScaleError(f"{where}: give either model (one model) or models (model key -> overrides)")
+        per_model = spec["models"] if "models" in spec else {spec["model"]: []}
+        if not isinstance(per_model, Mapping):
+            raise ScaleError(f"{where}: models={per_model!r}: expected a mapping of model key to overrides")
+        cells, variant_of = {}, {}
+        for model, model_overrides in per_model.items():
+            for variant, extra in spec["variants"].items():
+                cell = variant if "model" in spec else f"{model}-{variant}"
+                cells[cell] = checked_cell(scale, f"{name}/{cell}", {
+                    "model": model, "shards": spec.get("shards", 1),
+                    "overrides": [*spec["base"], *(model_overrides or []), *extra]})
+                variant_of[cell] = variant
+        out[name] = {"cells": cells, "variant": variant_of, "analysis": analysis}
+    return out
 
 
 def study_cells(scale: Mapping[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:

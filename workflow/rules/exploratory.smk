@@ -1,22 +1,34 @@
-# Exploratory analyses (labelled as such; no claim reads them). An `exploratory:` study's `table:` says which
-# analysis reads its cells:
-# - `sensitivity` (the default): a table and a figure of how the results move with the knobs its variants
-#   change (workflow/scripts/sensitivity.py). `make sensitivity` runs the `sensitivity` scale.
-# - `accuracy`: accuracy per setting, policy, allocator, design and budget (kvcert-accuracy), nothing
-#   more: a study whose numbers are only tabulated (the paper scale's `leaderboard`, beside kvpress's).
+# Exploratory analyses (labelled as such; no claim reads them). Each `exploratory:` study of a scale names its
+# analysis (kvcert.scales.EXPLORATORY_ANALYSES): `sensitivity` (the default), a table and a figure of how the results
+# move with the knobs its variants change (workflow/scripts/sensitivity.py; `make sensitivity`);
+# `certified_budgets`, targets against fixed budgets and allocators (workflow/scripts/certified_budgets.py;
+# `make certified-budgets`); or `accuracy`, accuracy per setting, policy, allocator, design and budget
+# (kvcert-accuracy) and nothing more: a study whose numbers are only tabulated (the paper scale's `leaderboard`,
+# beside kvpress's).
+from kvcert.scales import override_value
 
-def exploratory_outputs(name):
-    table = S["exploratory"][name].get("table", "sensitivity")
-    if table == "sensitivity":
-        return [f"{OUT}/{name}/{name}.csv", f"{FIG}/{name}.png", f"{FIG}/{name}.pdf"]
-    if table == "accuracy":
-        return [f"{OUT}/{name}/accuracy.csv"]
-    fail(f"{_scale_file.name}: exploratory.{name}.table={table}: unknown; known: sensitivity, accuracy")
+SENSITIVITY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "sensitivity"]
+CERTIFIED_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "certified_budgets"]
+ACCURACY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "accuracy"]
+CERTIFIED_TABLES = ("summary", "coverage_by_layer", "targets")
+
+EXPLORATORY_OUTPUTS = [
+    *(path for name in SENSITIVITY_STUDIES
+      for path in (f"{OUT}/{name}/{name}.csv", f"{FIG}/{name}.png", f"{FIG}/{name}.pdf")),
+    *(path for name in CERTIFIED_STUDIES
+      for path in (*(f"{OUT}/{name}/{table}.csv" for table in CERTIFIED_TABLES),
+                   f"{FIG}/{name}/{name}.png", f"{FIG}/{name}/{name}.pdf")),
+    *(f"{OUT}/{name}/accuracy.csv" for name in ACCURACY_STUDIES),
+]
 
 
-EXPLORATORY_OUTPUTS = [path for name in EXPLORATORY for path in exploratory_outputs(name)]
-SENSITIVITY_STUDIES = [name for name in EXPLORATORY if S["exploratory"][name].get("table", "sensitivity") == "sensitivity"]
-ACCURACY_STUDIES = [name for name in EXPLORATORY if S["exploratory"][name].get("table") == "accuracy"]
+def certified_cells(study):
+    """{cell: {model, variant, target_error (None: fixed budgets), dirs}} of a certified-budgets study."""
+    spec = EXPLORATORY[study]
+    return {cell: {"model": c["model"], "variant": spec["variant"][cell],
+                   "target_error": override_value(cell_overrides(S, c), "target_error"),
+                   "dirs": [d for d in cell_dirs(study) if f"/cells/{cell}/" in d]}
+            for cell, c in spec["cells"].items()}
 
 
 rule sensitivity_table:
@@ -30,7 +42,7 @@ rule sensitivity_table:
     log:
         f"{OUT}/logs/{{name}}.log",
     wildcard_constraints:
-        name="|".join(SENSITIVITY_STUDIES) or "no-exploratory-study",
+        name="|".join(SENSITIVITY_STUDIES) or "no-sensitivity-study",
     params:
         analysis=ANALYSIS_FINGERPRINT,
         cells=lambda wc: {variant: [d for d in cell_dirs(wc.name) if f"/cells/{variant}/" in d]
@@ -55,3 +67,26 @@ rule exploratory_accuracy:
         cells=lambda wc: cell_dirs(wc.name),
     shell:
         "kvcert-accuracy {params.cells} --out {output} > {log} 2>&1"
+
+
+rule certified_budgets:
+    input:
+        item_tables=lambda wc: [f"{d}/items.parquet" for d in cell_dirs(wc.name)],
+        step_tables=lambda wc: [f"{d}/steps.parquet" for d in cell_dirs(wc.name)],
+    output:
+        summary=f"{OUT}/{{name}}/summary.csv",
+        coverage=f"{OUT}/{{name}}/coverage_by_layer.csv",
+        targets=f"{OUT}/{{name}}/targets.csv",
+        png=report(f"{FIG}/{{name}}/{{name}}.png", category="Exploratory"),
+        pdf=f"{FIG}/{{name}}/{{name}}.pdf",
+    log:
+        f"{OUT}/logs/{{name}}.log",
+    wildcard_constraints:
+        name="|".join(CERTIFIED_STUDIES) or "no-certified-budgets-study",
+    params:
+        analysis=ANALYSIS_FINGERPRINT,
+        cells=lambda wc: certified_cells(wc.name),
+        epsilons=lambda wc: S["exploratory"][wc.name]["targets"],
+        delta=lambda wc: S["exploratory"][wc.name]["delta"],
+    script:
+        "../scripts/certified_budgets.py"

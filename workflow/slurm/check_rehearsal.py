@@ -181,7 +181,7 @@ def check_outputs(c: Checks, out: Path, scale: dict, cells: dict) -> dict:
         summary[claim] = {"verdict": result.get("verdict"),
                           "by_model": {m: e.get("verdict") or "error" for m, e in by_model.items()}}
     for name, spec in (scale.get("exploratory") or {}).items():
-        if spec.get("table") != "accuracy":
+        if spec.get("analysis") != "accuracy":
             continue
         path = out / name / "accuracy.csv"
         if c.check(path.is_file(), f"{path}: missing"):

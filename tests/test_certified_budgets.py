@@ -1,0 +1,114 @@
+"""The exploratory certified-budgets analysis (workflow/scripts/certified_budgets.py) on small synthetic cell tables
+(no model): accuracy, kept memory, the per-layer coverage of ε and the prediction-vs-decode gap against numbers
+computed by hand below. Every number here is test data, never a result."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("certified_budgets", ROOT / "workflow" / "scripts" /
+                                                  "certified_budgets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+KEYS = dict(seed=0, setting="question_aware")
+
+
+def item(item_id, policy, design, budget, correct, retained, **extra):
+    return {"item_id": item_id, "policy": policy, "design": design, "budget": budget, "correct": correct,
+            "retained_tokens": retained, "context_tokens": 100, "full_bytes": 1000, "cache_bytes": 9999, **KEYS,
+            **extra}
+
+
+def steps(item_id, design, budget, layer, errors, norm=1.0):
+    return pd.DataFrame({"item_id": item_id, "policy": "snapkv", "design": design, "budget": budget, **KEYS,
+                         "step": np.arange(len(errors)), "layer": layer, "kv_head": 0,
+                         "true_err": np.asarray(errors, dtype=np.float32), "out_norm": np.float32(norm)})
+
+
+@pytest.fixture()
+def cells(tmp_path):
+    target = tmp_path / "target" / "shard-0"
+    fixed = tmp_path / "fixed" / "shard-0"
+    target.mkdir(parents=True)
+    fixed.mkdir(parents=True)
+    pd.DataFrame([item("a", "full", "full", 1.0, True, 100), item("b", "full", "full", 1.0, True, 100),
+                  item("a", "snapkv", "poisson", 0.5, True, 20), item("b", "snapkv", "poisson", 0.5, False, 40)]
+                 ).to_parquet(target / "items.parquet")
+    # layer 0 (‖ô‖ = 1), e = 0.05, 0.095, 0.2, 0.01: e/‖o‖ lies in [e/1.05, e/0.95], [e/1.095, e/0.905], ...
+    #   certainly <= 0.1: 0.05 (<= 0.0527), 0.01 -> 2/4; possibly: also 0.095 (>= 0.0868) -> 3/4; e/‖ô‖: 3/4
+    # layer 1: e = 0, 0.3, 2.0 (e > ‖ô‖: unbounded above) -> 1/3 in every form
+    pd.concat([steps("a", "poisson", 0.5, 0, [0.05, 0.095, 0.2, 0.01]), steps("a", "poisson", 0.5, 1, [0.0, 0.3, 2.0])],
+              ignore_index=True).to_parquet(target / "steps.parquet")
+    pd.DataFrame([{"item_id": "a", "policy": "snapkv", "design": "poisson", "budget": 0.5, **KEYS, "layer": layer,
+                   "kv_head": 0, "expected_count": count, "cap_count": 50, "context_tokens": 100, "retained": count,
+                   "predicted_rel_cert": cert, "met": met}
+                  for layer, count, cert, met in ((0, 20, 0.08, True), (1, 50, 0.4, False))]
+                 ).to_parquet(target / "targets.parquet")
+    pd.DataFrame([item("a", "full", "full", 1.0, True, 100), item("b", "full", "full", 1.0, True, 100),
+                  item("a", "snapkv", "topk", 0.25, True, 25), item("b", "snapkv", "topk", 0.25, True, 25)]
+                 ).to_parquet(fixed / "items.parquet")
+    steps("a", "topk", 0.25, 0, [0.01, 0.5]).to_parquet(fixed / "steps.parquet")
+    return {"m-target_0.1": {"model": "m", "variant": "target_0.1", "target_error": 0.1, "dirs": [str(target)]},
+            "m-fixed": {"model": "m", "variant": "fixed", "target_error": None, "dirs": [str(fixed)]}}
+
+
+def test_tables_match_a_hand_computation(script, cells, tmp_path):
+    out = tmp_path / "out"
+    script.main(cells, [0.1, 0.05], 0.05, out, tmp_path / "fig.png", tmp_path / "fig.pdf")
+    summary = pd.read_csv(out / "summary.csv").set_index("configuration")
+    assert list(summary.index) == ["full", "target 0.1", "fixed topk 0.25"]  # the full cache once per model
+    assert summary.loc["target 0.1", "accuracy"] == pytest.approx(50.0)
+    assert summary.loc["target 0.1", "kept_fraction"] == pytest.approx(0.3)  # (20 + 40) / 2 / 100
+    # no kept_bytes column and cache_bytes padded: full_bytes · retained / context
+    assert summary.loc["target 0.1", "kept_bytes"] == pytest.approx(300.0)
+    assert summary.loc["fixed topk 0.25", "coverage_stored_0.1"] == pytest.approx(0.5)
+
+    layers = pd.read_csv(out / "coverage_by_layer.csv")
+    target = layers[layers["configuration"] == "target 0.1"].set_index("layer")
+    assert set(target["epsilon"]) == {0.1}  # a target is measured at its own ε only
+    assert target.loc[0, ["coverage_low", "coverage_high", "coverage_stored"]].tolist() == pytest.approx([0.5, 0.75, 0.75])
+    assert target.loc[1, ["coverage_low", "coverage_high", "coverage_stored"]].tolist() == pytest.approx([1 / 3] * 3)
+    assert target["level"].tolist() == pytest.approx([0.95, 0.95])
+    fixed = layers[layers["configuration"] == "fixed topk 0.25"]
+    assert sorted(fixed["epsilon"]) == [0.05, 0.1]  # a fixed budget is measured at every study ε
+
+    gap = pd.read_csv(out / "targets.csv")
+    overall = gap[gap["layer"] == "all"].iloc[0]
+    assert overall["heads_met"] == pytest.approx(0.5)
+    assert overall["expected_fraction"] == pytest.approx(0.35)  # (20 + 50) / 2 / 100
+    # only layer 0's head was predicted to meet ε: of its 4 rows, 0.2 is certainly above 0.1, 0.095 possibly
+    assert overall["n_met_step_rows"] == 4
+    assert [overall["exceed_low"], overall["exceed_high"], overall["exceed_stored"]] == pytest.approx([0.25, 0.5, 0.25])
+    assert overall["met_heads_exceeding"] == pytest.approx(1.0)
+    assert (tmp_path / "fig.png").stat().st_size > 0 and (tmp_path / "fig.pdf").stat().st_size > 0
+
+
+def test_error_bounds_bracket_the_error_relative_to_the_full_output(script):
+    rng = np.random.default_rng(0)
+    o = rng.normal(size=(200, 8))
+    o_hat = o + rng.normal(scale=rng.uniform(0.01, 2.0, size=(200, 1)), size=(200, 8))
+    e = np.linalg.norm(o_hat - o, axis=1)
+    low, high, stored = script.error_bounds(e, np.linalg.norm(o_hat, axis=1))
+    truth = e / np.linalg.norm(o, axis=1)
+    assert np.all(low <= truth + 1e-12) and np.all(truth <= high + 1e-12)
+    assert np.isinf(high).any()  # some errors exceed ‖ô‖: no finite upper bound there
+    assert stored == pytest.approx(e / np.linalg.norm(o_hat, axis=1))
+
+
+def test_a_target_cell_without_its_choice_table_is_named(script, cells, tmp_path):
+    (Path(cells["m-target_0.1"]["dirs"][0]) / "targets.parquet").unlink()
+    with pytest.raises(FileNotFoundError, match="targets.parquet: missing"):
+        script.main(cells, [0.1], 0.05, tmp_path / "out", tmp_path / "fig.png", tmp_path / "fig.pdf")

@@ -1,0 +1,249 @@
+"""Exploratory certified-budgets tables and figure (rule ``certified_budgets``): what a target relative error buys
+against fixed budgets and budget allocators, on the cells of an exploratory study whose analysis is
+``certified_budgets`` (workflow/scales/certified-budgets.yaml). Descriptive numbers, never a pre-registered test.
+
+A configuration is one (cell variant, design, budget) of one model: ``fixed topk 0.25``, ``adakv poisson 0.5``,
+``target 0.1`` (a target cell: design poisson, the budget its cap), and ``full`` (the full cache). Tables, under
+the study's folder:
+
+* ``summary.csv``, per model and configuration: accuracy (%, items' ``correct``), kept fraction (mean of
+  retained_tokens / context_tokens), kept bytes (items' ``kept_bytes`` where an allocator cell writes it,
+  elsewhere full_bytes · retained_tokens / context_tokens, the retained slots' bytes when every slot of every
+  layer has one size, as in the bundled models; a target cell's ``cache_bytes`` pads each layer to its longest
+  head), the realized relative error over every decode (step, layer, KV head) row, and its coverage of each
+  study level ε.
+* ``coverage_by_layer.csv``: that coverage per layer, next to 1 − δ.
+* ``targets.csv``, per target configuration and layer (and ``layer`` = all): the share of (item, KV head) whose
+  prediction met ε, and the prediction-vs-decode gap: among the decode rows of heads predicted to meet ε, the
+  share whose realized error exceeds ε.
+
+The relative error. The target is on ‖ô − o‖/‖o‖ (o the full cache's output); steps.parquet stores ‖ô − o‖
+(``true_err``) and ‖ô‖ (``out_norm``), not ‖o‖. Since ‖ô‖ − e ≤ ‖o‖ ≤ ‖ô‖ + e (e = ‖ô − o‖), the error relative to
+‖o‖ lies in [e/(‖ô‖ + e), e/(‖ô‖ − e)] (the upper end infinite where e ≥ ‖ô‖), so its coverage of ε is bracketed:
+``coverage_low`` counts rows whose upper end is within ε (certainly covered), ``coverage_high`` rows whose lower
+end is (possibly covered). ``coverage_stored`` is the coverage of e/‖ô‖ (the stored ``rel_err``, the form of the
+step table's ``rel_cert``). The gap is bracketed the same way (``exceed_low`` ≤ gap ≤ ``exceed_high``).
+"""
+
+# No `from __future__` import: Snakemake runs this file through `script:`, which puts its own preamble first.
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from kvcert.analysis.figures import save_figure  # noqa: E402
+from kvcert.atomic import write_text_atomic  # noqa: E402
+
+KEYS = ["item_id", "policy", "design", "budget", "seed", "setting"]
+SUMMARY_COLUMNS = ["model", "configuration", "variant", "allocator", "design", "budget", "target_error", "n_items",
+                   "accuracy", "kept_fraction", "kept_bytes", "kept_bytes_fraction", "n_step_rows",
+                   "rel_err_median", "rel_err_p95"]
+LAYER_COLUMNS = ["model", "configuration", "epsilon", "layer", "n_step_rows", "coverage_low", "coverage_high",
+                 "coverage_stored", "level"]
+TARGET_COLUMNS = ["model", "configuration", "target_error", "layer", "n_heads", "heads_met", "expected_fraction",
+                  "n_met_step_rows", "exceed_low", "exceed_high", "exceed_stored", "met_heads_exceeding"]
+
+
+def error_bounds(true_err: np.ndarray, out_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(low, high, stored) relative errors per step row: ‖ô − o‖/‖o‖ lies in [low, high]; stored = e/‖ô‖.
+
+    true_err, out_norm: (rows,) ‖ô − o‖ and ‖ô‖. high is +inf where e ≥ ‖ô‖ (‖o‖ may be 0 there); stored is +inf
+    where ‖ô‖ = 0 < e and 0 where both vanish.
+    """
+    e = np.asarray(true_err, dtype=np.float64)
+    norm = np.asarray(out_norm, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        low = np.where(e > 0, e / (norm + e), 0.0)
+        high = np.where(e > 0, np.where(norm > e, e / (norm - e), np.inf), 0.0)
+        stored = np.where(e > 0, np.where(norm > 0, e / norm, np.inf), 0.0)
+    return low, high, stored
+
+
+def configuration_name(variant: str, design: str, budget: float, target_error) -> str:
+    if design == "full":
+        return "full"
+    if pd.notna(target_error):
+        return f"target {target_error:g}"
+    return f"{variant.split('_')[0] if variant.startswith('target') else variant} {design} {budget:g}"
+
+
+def _read(dirs: list[str], name: str) -> pd.DataFrame:
+    frames = []
+    for d in dirs:
+        path = Path(d) / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing (a target cell writes targets.parquet beside items.parquet)")
+        frames.append(pd.read_parquet(path))
+    return pd.concat(frames, ignore_index=True)
+
+
+def load(cells: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(items, steps, choices) of every cell, each row tagged with model, variant, target_error, configuration.
+
+    cells: {cell: {"model", "variant", "target_error" (float or None), "dirs": [shard dirs]}}. The full cache is
+    kept once per model (every cell decodes it on the same items): from the first cell listed.
+    """
+    items, steps, choices, full_seen = [], [], [], set()
+    for cell, spec in cells.items():
+        target = spec.get("target_error")
+        tags = {"model": spec["model"], "variant": spec["variant"],
+                "target_error": np.nan if target is None else float(target)}
+        cell_items = _read(spec["dirs"], "items.parquet").assign(**tags)
+        if spec["model"] in full_seen:
+            cell_items = cell_items[cell_items["policy"] != "full"].copy()
+        full_seen.add(spec["model"])
+        is_full = cell_items["policy"] == "full"
+        cell_items.loc[is_full, "variant"] = "full"
+        cell_items.loc[is_full, "target_error"] = np.nan
+        if "allocator" not in cell_items:
+            cell_items["allocator"] = "uniform"
+        cell_items["allocator"] = cell_items["allocator"].fillna("uniform")
+        items.append(cell_items)
+        steps.append(_read(spec["dirs"], "steps.parquet").assign(**tags))
+        if target is not None:
+            choices.append(_read(spec["dirs"], "targets.parquet").assign(**tags))
+    out = [pd.concat(f, ignore_index=True) if f else pd.DataFrame() for f in (items, steps, choices)]
+    for frame in out:
+        if len(frame):
+            design = np.where(frame["policy"] == "full", "full", frame["design"]) if "policy" in frame else frame["design"]
+            frame["configuration"] = [configuration_name(v, d, b, t) for v, d, b, t in
+                                      zip(frame["variant"], design, frame["budget"], frame["target_error"])]
+    return out[0], out[1], out[2]
+
+
+def _with_bounds(steps: pd.DataFrame) -> pd.DataFrame:
+    s = steps[np.isfinite(steps["true_err"]) & np.isfinite(steps["out_norm"])].copy()
+    s["err_low"], s["err_high"], s["err_stored"] = error_bounds(s["true_err"].to_numpy(), s["out_norm"].to_numpy())
+    return s
+
+
+def summary_table(items: pd.DataFrame, steps: pd.DataFrame, epsilons: list[float]) -> pd.DataFrame:
+    kept_bytes = (items["kept_bytes"] if "kept_bytes" in items else pd.Series(np.nan, index=items.index))
+    estimate = items["full_bytes"] * items["retained_tokens"] / items["context_tokens"]
+    items = items.assign(kept_fraction=items["retained_tokens"] / items["context_tokens"],
+                         kept=kept_bytes.where(kept_bytes.notna(), estimate).astype(float))
+    items = items.assign(kept_bytes_fraction=items["kept"] / items["full_bytes"])
+    rows = []
+    for (model, configuration), g in items.groupby(["model", "configuration"], sort=False):
+        first = g.iloc[0]
+        s = steps[(steps["model"] == model) & (steps["configuration"] == configuration)]
+        row = {"model": model, "configuration": configuration, "variant": first["variant"],
+               "allocator": first["allocator"], "design": "full" if first["policy"] == "full" else first["design"], "budget": float(first["budget"]), "target_error": first["target_error"],
+               "n_items": int(g["item_id"].nunique()), "accuracy": 100 * g.groupby("item_id")["correct"].mean().mean(),
+               "kept_fraction": g["kept_fraction"].mean(), "kept_bytes": g["kept"].mean(),
+               "kept_bytes_fraction": g["kept_bytes_fraction"].mean(), "n_step_rows": int(len(s)),
+               "rel_err_median": float(s["err_stored"].median()) if len(s) else np.nan,
+               "rel_err_p95": float(s["err_stored"].quantile(0.95)) if len(s) else np.nan}
+        for eps in epsilons:
+            for form in ("low", "high", "stored"):
+                row[f"coverage_{form}_{eps:g}"] = _coverage(s, eps, form)
+        rows.append(row)
+    columns = SUMMARY_COLUMNS + [f"coverage_{form}_{eps:g}" for eps in epsilons for form in ("low", "high", "stored")]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _coverage(s: pd.DataFrame, eps: float, form: str) -> float:
+    """Share of rows whose relative error is within eps: form low -> its upper bound (certainly covered), high ->
+    its lower bound (possibly covered), stored -> e/‖ô‖."""
+    if not len(s):
+        return np.nan
+    column = {"low": "err_high", "high": "err_low", "stored": "err_stored"}[form]
+    return float((s[column] <= eps).mean())
+
+
+def coverage_by_layer(steps: pd.DataFrame, epsilons: list[float], delta: float) -> pd.DataFrame:
+    """Per model, configuration, ε and layer: the coverage bracket of ‖ô − o‖/‖o‖ ≤ ε and e/‖ô‖ ≤ ε, beside
+    1 − δ. A target configuration is measured at its own ε only."""
+    rows = []
+    for (model, configuration, layer), s in steps.groupby(["model", "configuration", "layer"], sort=True):
+        target = s["target_error"].iloc[0]
+        for eps in [target] if pd.notna(target) else epsilons:
+            rows.append({"model": model, "configuration": configuration, "epsilon": float(eps), "layer": int(layer),
+                         "n_step_rows": int(len(s)), "coverage_low": _coverage(s, eps, "low"),
+                         "coverage_high": _coverage(s, eps, "high"), "coverage_stored": _coverage(s, eps, "stored"),
+                         "level": 1 - delta})
+    return pd.DataFrame(rows, columns=LAYER_COLUMNS)
+
+
+def target_table(choices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Per target configuration, per layer and over all layers (``layer`` = "all"): how many (item, KV head)
+    predictions met ε, the mean expected count as a share of the context, and among the decode rows of heads
+    predicted to meet ε, the share exceeding ε (bracketed as the coverage is: ``exceed_low`` counts rows certainly
+    above ε, ``exceed_high`` rows possibly above; ``exceed_stored`` on e/‖ô‖), and the share of met (item, KV head)
+    with at least one decode row certainly above ε (``met_heads_exceeding``)."""
+    if not len(choices):
+        return pd.DataFrame(columns=TARGET_COLUMNS)
+    joined_on = ["model", "configuration", *KEYS, "layer", "kv_head"]
+    met = choices.assign(met=choices["met"].astype(bool))
+    decode = steps[steps["target_error"].notna()].merge(met[joined_on + ["met"]], on=joined_on, how="inner",
+                                                        validate="many_to_one")
+    rows = []
+    for (model, configuration), c in met.groupby(["model", "configuration"], sort=False):
+        eps = float(c["target_error"].iloc[0])
+        d = decode[(decode["model"] == model) & (decode["configuration"] == configuration) & decode["met"]]
+        for layer in ["all", *sorted(c["layer"].unique())]:
+            cl = c if layer == "all" else c[c["layer"] == layer]
+            dl = d if layer == "all" else d[d["layer"] == layer]
+            head_keys = [*KEYS, "layer", "kv_head"]
+            certainly_over = dl.groupby(head_keys)["err_low"].max() > eps if len(dl) else pd.Series(dtype=bool)
+            rows.append({"model": model, "configuration": configuration, "target_error": eps,
+                         "layer": layer if layer == "all" else int(layer), "n_heads": int(len(cl)),
+                         "heads_met": float(cl["met"].mean()),
+                         "expected_fraction": float((cl["expected_count"] / cl["context_tokens"]).mean()),
+                         "n_met_step_rows": int(len(dl)),
+                         "exceed_low": float((dl["err_low"] > eps).mean()) if len(dl) else np.nan,
+                         "exceed_high": float((dl["err_high"] > eps).mean()) if len(dl) else np.nan,
+                         "exceed_stored": float((dl["err_stored"] > eps).mean()) if len(dl) else np.nan,
+                         "met_heads_exceeding": float(certainly_over.mean()) if len(dl) else np.nan})
+    return pd.DataFrame(rows, columns=TARGET_COLUMNS)
+
+
+def figure(summary: pd.DataFrame, epsilons: list[float], png: Path, pdf: Path) -> None:
+    """Per model (columns): kept bytes (share of the full cache) on x; accuracy and the realized error's 95th
+    percentile (e/‖ô‖) on y; the targets marked with stars, the study's ε as dashed lines."""
+    models = list(dict.fromkeys(summary["model"]))
+    fig, axes = plt.subplots(2, len(models), figsize=(4.6 * len(models), 6.4), squeeze=False, sharex="col")
+    markers = {"topk": "s", "poisson": "o"}
+    for col, model in enumerate(models):
+        m = summary[summary["model"] == model]
+        full = m[m["configuration"] == "full"]
+        if len(full):
+            axes[0, col].axhline(float(full["accuracy"].iloc[0]), color="black", lw=0.7, ls=":", label="full cache")
+        for _, r in m[m["configuration"] != "full"].iterrows():
+            is_target = pd.notna(r["target_error"])
+            style = dict(marker="*" if is_target else markers.get(r["design"], "o"), ms=11 if is_target else 6,
+                         ls="none", label=r["configuration"])
+            axes[0, col].plot(r["kept_bytes_fraction"], r["accuracy"], **style)
+            axes[1, col].plot(r["kept_bytes_fraction"], r["rel_err_p95"], **style)
+        for eps in epsilons:
+            axes[1, col].axhline(eps, color="0.4", lw=0.7, ls="--")
+        axes[0, col].set_title(model)
+        axes[1, col].set_xlabel("kept bytes / full cache bytes")
+        axes[1, col].set_yscale("log")
+        axes[0, col].legend(fontsize=6, ncol=2)
+    axes[0, 0].set_ylabel("accuracy (%)")
+    axes[1, 0].set_ylabel("95th pct of ||o_hat - o|| / ||o_hat||")
+    fig.suptitle("Exploratory: certified budgets (targets as stars; dashed: the target errors)")
+    fig.tight_layout()
+    save_figure(fig, png, pdf)
+
+
+def main(cells: dict, epsilons: list[float], delta: float, out_dir: Path, png: Path, pdf: Path) -> None:
+    items, steps, choices = load(cells)
+    steps = _with_bounds(steps)
+    summary = summary_table(items, steps, epsilons)
+    write_text_atomic(summary.round(6).to_csv(index=False), Path(out_dir) / "summary.csv")
+    write_text_atomic(coverage_by_layer(steps, epsilons, delta).round(6).to_csv(index=False),
+                      Path(out_dir) / "coverage_by_layer.csv")
+    write_text_atomic(target_table(choices, steps).round(6).to_csv(index=False), Path(out_dir) / "targets.csv")
+    figure(summary, epsilons, png, pdf)
+
+
+if __name__ == "__main__":  # run by Snakemake's script directive
+    sm = snakemake  # noqa: F821
+    main(dict(sm.params.cells), [float(e) for e in sm.params.epsilons], float(sm.params.delta),
+         Path(sm.output.summary).parent, Path(sm.output.png), Path(sm.output.pdf))
