@@ -13,7 +13,7 @@ from .. import defaults as schema
 from ..allocators import ALLOCATORS
 from ..calibration import BASES, UNITS, load_calibration
 from ..data import SHARD_BY
-from ..designs import DESIGNS, DesignOptions
+from ..designs import DESIGNS
 from ..errors import ConfigError
 from ..generation import FULL
 from ..policies import POLICIES
@@ -46,8 +46,9 @@ class CellConfig(schema.RunConfig):
     or a loaded kvcert.calibration.Calibration (checked against the model later)."""
 
     @property
-    def options(self) -> DesignOptions:
-        return DesignOptions(**dataclasses.asdict(self.design_options))
+    def options(self) -> schema.DesignOptions:
+        """The checked ``design_options`` (already the library's immutable value)."""
+        return self.design_options
 
     @property
     def target(self) -> Target | None:
