@@ -21,18 +21,18 @@ import torch
 from tqdm.auto import tqdm
 
 from ..atomic import unwritable_reason, write_parquet_atomic, write_text_atomic
-from ..calibration import Calibration, apply_calibration, calibration_summary, prepare_calibration
+from ..calibration import Calibration, calibration_summary, prepare_calibration
 from ..data import Item, is_correct, load_items, score_item, shard_items
 from ..defaults import ELIDED_AT_DEFAULT, IDENTITY_KEYS, RUN, elide_defaults
 from ..errors import ConfigError
-from ..generation import FULL, Prefill, decode_batch, eos_ids, item_seed, prefill, select
+from ..generation import FULL, Prefill, decode_configurations, eos_ids, prefill
 from ..kernels import attention_path
 from ..models import ModelSpec, load_model
-from ..policies import get_policy, prefill_needs
+from ..policies import prefill_needs
 from ..prompts import PromptIds, build_prompt, model_limit
 from ..provenance import code_fingerprint, sha256_file, short
 from ..schema import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS
-from ..targets import CHOICE_COLUMNS, calibrated_scales, targeted_selections
+from ..targets import CHOICE_COLUMNS
 from .config import CellConfig, Configuration, validate
 from .manifest import build_manifest
 from .tables import ITEM_COLUMNS, empty_step_table, logprob_summary, summarize_steps, tag_steps
@@ -91,28 +91,6 @@ def batches(configurations: list[Configuration]) -> list[list[Configuration]]:
     return [[c for c in configurations if c.is_full], *groups.values()]
 
 
-def _selections(state: Prefill, conf: Configuration, item: Item, cell: CellConfig, choices: list | None):
-    """One configuration's per-layer selections (None: the full cache); with a target, the Poisson design at the
-    chosen sizes, its choice log (CHOICE_COLUMNS + the run's keys) appended to ``choices``."""
-    if conf.is_full:
-        return None
-    seed = item_seed(conf.seed, item.id)
-    target = cell.target
-    if target is None:
-        return select(state, conf.policy, conf.design, conf.budget, seed, cell.options, cell.allocator,
-                      cell.allocator_options)
-    scales = None if cell.calibration is None else calibrated_scales(
-        cell.calibration, setting=cell.setting, policy=conf.policy, budget=conf.budget,
-        n_layers=len(state.cache.layers))
-    selections, choice = targeted_selections(state.layer_views(), state.scores(conf.policy), target, conf.budget,
-                                             cell.options, seed, get_policy(conf.policy).certain_top_slice, scales)
-    if choices is not None:
-        keys = {"item_id": item.id, "policy": conf.policy, "design": conf.design, "budget": conf.budget,
-                "seed": conf.seed, "setting": cell.setting}
-        choices.append(choice.assign(**keys)[KEY_COLUMNS + CHOICE_COLUMNS])
-    return selections
-
-
 def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, meta: dict, timings: dict,
              choices: list | None = None):
     """All configurations of one item from one prefill: (item rows, step frame).
@@ -132,10 +110,10 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
     rows, steps = [], []
     for group in batches(cell.configurations()):
         start = time.perf_counter()
-        selections = [_selections(state, conf, item, cell, choices) for conf in group]
-        decoded_group = decode_batch(
-            model, state, selections, max_new_tokens=max_new, stop_ids=stop, certify=cell.certify,
-            oracle=cell.oracle, delta=cell.delta, randomized=[conf.design == "poisson" for conf in group],
+        decoded_group = decode_configurations(
+            model, state, group, item_id=item.id, max_new_tokens=max_new, stop_ids=stop, certify=cell.certify,
+            oracle=cell.oracle, delta=cell.delta, options=cell.options, allocator=cell.allocator,
+            allocator_options=cell.allocator_options, target=cell.target, calibration=cell.calibration,
         )
         timings["decode"] += time.perf_counter() - start
         for conf, decoded in zip(group, decoded_group):
@@ -143,13 +121,11 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
             score = float(score_item(item, prediction))
             keys = {"item_id": item.id, "policy": conf.policy, "design": conf.design, "budget": conf.budget,
                     "seed": conf.seed, "setting": cell.setting}
-            run_steps = decoded.steps
-            if cell.calibration is not None and not conf.is_full:
-                run_steps = apply_calibration(cell.calibration, run_steps, design=conf.design, policy=conf.policy,
-                                              budget=conf.budget, setting=cell.setting, checked=True)
+            if choices is not None and decoded.target_choice is not None:
+                choices.append(decoded.target_choice.assign(**keys)[KEY_COLUMNS + CHOICE_COLUMNS])
             # The item row summarizes the step rows as steps.parquet stores them (float32), so that a reader who
             # recomputes cert_mean & co. from steps.parquet gets the item row's numbers exactly.
-            stored = tag_steps(run_steps, keys) if len(run_steps) else run_steps
+            stored = tag_steps(decoded.steps, keys) if len(decoded.steps) else decoded.steps
             rows.append({
                 **keys, "task": item.task, "prediction": prediction, "score": score,
                 "correct": bool(is_correct(score, item.metric)), **logprob_summary(decoded.logprobs),

@@ -15,7 +15,7 @@ from ..calibration import BASES, UNITS, load_calibration
 from ..data import SHARD_BY
 from ..designs import DESIGNS
 from ..errors import ConfigError
-from ..generation import FULL
+from ..generation import FULL, Configuration  # a cell's configurations are the library's
 from ..policies import POLICIES
 from ..policies.base import renamed_hint
 from ..prompts import SETTINGS, TRUNCATE
@@ -24,20 +24,6 @@ from ..targets import Target, calibrated_scales, check_target
 # The names a ``known`` field of the schema takes.
 KNOWN = {"policies": POLICIES, "designs": DESIGNS, "setting": SETTINGS, "shard_by": SHARD_BY, "truncate": TRUNCATE,
          "unit": UNITS, "base": BASES, "allocator": ALLOCATORS}
-
-
-@dataclass(frozen=True)
-class Configuration:
-    """One compared configuration of a cell (the full cache has policy == design == "full")."""
-
-    policy: str
-    design: str
-    budget: float
-    seed: int
-
-    @property
-    def is_full(self) -> bool:
-        return self.policy == FULL
 
 
 @dataclass
