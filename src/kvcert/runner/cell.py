@@ -33,7 +33,7 @@ from ..prompts import PromptIds, build_prompt, model_limit
 from ..provenance import code_fingerprint, sha256_file, short
 from ..schema import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS
 from ..targets import CHOICE_COLUMNS
-from .config import CellConfig, Configuration, validate
+from .config import CellConfig, Configuration, plain_config, validate
 from .manifest import build_manifest
 from .tables import ITEM_COLUMNS, empty_step_table, logprob_summary, summarize_steps, tag_steps
 
@@ -52,9 +52,9 @@ def item_prompt(tokenizer, item: Item, setting: str, limit: int, truncate: str) 
 
 
 def _identity(cfg: Mapping[str, Any], items: list[Item], fingerprint: str) -> dict:
-    from omegaconf import OmegaConf
-
-    plain = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
+    """What a resumed cell must match: ``cfg`` (a resolved run config, e.g. ``CellConfig.resolved``)'s identity
+    keys, the items' hash and the code's fingerprint."""
+    plain = plain_config(cfg)
     # the schema's knobs that change what a cell computes (a later key at its default left out, as in config.yaml)
     config = elide_defaults({k: plain.get(k) for k in IDENTITY_KEYS if k in plain or k not in ELIDED_AT_DEFAULT})
     calibration = config.get("calibration")
@@ -69,8 +69,7 @@ def config_yaml(cfg) -> str:
     container, so a config without such keys is written byte for byte as before they existed."""
     from omegaconf import OmegaConf
 
-    plain = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
-    return OmegaConf.to_yaml(elide_defaults(plain))
+    return OmegaConf.to_yaml(elide_defaults(plain_config(cfg)))
 
 
 def dataset_hash(items: list[Item]) -> str:
@@ -146,18 +145,17 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
 
 
 def run_cell(cfg, out_dir: str | Path) -> Path:
-    """Run one cell described by a resolved run config; returns ``out_dir``."""
-    from omegaconf import OmegaConf
-
+    """Run one cell described by a resolved run config; returns ``out_dir`` (where the tables go; config.yaml
+    records ``cfg``'s own out_dir). The config is checked once here: below, only the CellConfig travels."""
     wall = time.perf_counter()
     cell = validate(cfg)
     out_dir = Path(out_dir)
     check_out_dir(out_dir)
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
+    if cell.threads:
+        torch.set_num_threads(cell.threads)
     timings: dict[str, float] = defaultdict(float)
     start = time.perf_counter()
-    spec = ModelSpec.parse(OmegaConf.to_container(cfg.model, resolve=True))
+    spec = ModelSpec.parse(cell.model)
     model, tokenizer = load_model(spec)
     timings["load_model"] = time.perf_counter() - start
     if cell.calibration is not None:  # a file of another model or design is refused before anything is written
@@ -166,8 +164,7 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
                             options=cell.options, delta=cell.delta, observation_window=cell.observation_window,
                             policy_options=cell.policy_options)
     start = time.perf_counter()
-    data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
-    items = load_items(data_cfg.get("name"), data_cfg, tokenizer, cell.n_items)
+    items = load_items(cell.data.get("name"), cell.data, tokenizer, cell.n_items)
     shard = shard_items(items, cell.shard, cell.n_shards, cell.shard_by)
     timings["load_data"] = time.perf_counter() - start
     if not shard:
@@ -179,7 +176,7 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
     prompts = [item_prompt(tokenizer, item, cell.setting, limit, cell.truncate) for item in shard]
 
     parts = out_dir / PARTS
-    identity = _identity(cfg, items, code_fingerprint())
+    identity = _identity(cell.resolved, items, code_fingerprint())
     marker = parts / "identity.json"
     if marker.exists():
         _check_resumable(json.loads(marker.read_text()), identity, out_dir)
@@ -193,7 +190,7 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
         _remove_empty(created)
         raise ConfigError(f"out_dir={out_dir}: cannot write there ({err.strerror or err})") from None
     try:
-        return _run_items(cfg, cell, spec, model, tokenizer, items, shard, prompts, parts, out_dir, identity,
+        return _run_items(cell, spec, model, tokenizer, items, shard, prompts, parts, out_dir, identity,
                           timings, wall)
     except BaseException:
         # A failure before any item finished leaves nothing behind; finished items are kept for the rerun.
@@ -246,17 +243,15 @@ def _remove_empty(dirs: list[Path]) -> None:
             break
 
 
-def _run_items(cfg, cell, spec, model, tokenizer, items, shard, prompts, parts, out_dir, identity, timings, wall):
-    from omegaconf import OmegaConf
-
-    data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
-    meta = {"model": spec.kind if spec.kind != "hf" else str(spec.name), "data": data_cfg.get("name")}
+def _run_items(cell: CellConfig, spec, model, tokenizer, items, shard, prompts, parts, out_dir, identity, timings,
+               wall):
+    meta = {"model": spec.kind if spec.kind != "hf" else str(spec.name), "data": cell.data.get("name")}
     if spec.kind == "gguf":
         meta["model"] = Path(spec.path).stem
     done = [i for i in range(len(shard)) if (parts / f"{i:06d}.items.parquet").exists()]
     timings["resumed_items"] = len(done)
     bar = tqdm(total=len(shard), initial=len(done), desc=f"cell shard {cell.shard}/{cell.n_shards}",
-               unit="item", file=sys.stderr, disable=not cfg.get("progress", True), dynamic_ncols=True)
+               unit="item", file=sys.stderr, disable=not cell.progress, dynamic_ncols=True)
     for index, item in enumerate(shard):
         if index in done:
             continue
@@ -286,7 +281,7 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard, prompts, parts, 
                                        ignore_index=True), outputs["targets.parquet"])
     write_parquet_atomic(steps_frame, outputs["steps.parquet"])
     write_parquet_atomic(items_frame, outputs["items.parquet"])
-    write_text_atomic(config_yaml(cfg), outputs["config.yaml"])
+    write_text_atomic(config_yaml(cell.resolved), outputs["config.yaml"])
     timings["write"] += time.perf_counter() - start
     timings["total"] = time.perf_counter() - wall
     parameter = next(model.parameters())

@@ -28,8 +28,12 @@ KNOWN = {"policies": POLICIES, "designs": DESIGNS, "setting": SETTINGS, "shard_b
 
 @dataclass
 class CellConfig(schema.RunConfig):
-    """A checked ``RunConfig``: lists are tuples, ``extra_grids`` are ``Grid``s, ``calibration`` is None, "design"
-    or a loaded kvcert.calibration.Calibration (checked against the model later)."""
+    """A checked ``RunConfig``, the one config object below ``run_cell``: lists are tuples, ``extra_grids`` are
+    ``Grid``s, ``data``/``model`` plain mappings, ``calibration`` is None, "design" or a loaded
+    kvcert.calibration.Calibration (checked against the model later); ``resolved`` is the resolved config it was
+    checked from, as plain data in its key order (what config.yaml and the cell's identity record)."""
+
+    resolved: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def options(self) -> schema.DesignOptions:
@@ -278,25 +282,36 @@ _LATER = ("extra_grids", "policy_options", "allocator_options", "calibration")
 _GROUPS = ("defaults", "data", "model")
 
 
+def plain_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A run config as plain data, interpolations resolved (an OmegaConf config converted; a dict as it is)."""
+    if isinstance(cfg, dict):
+        return cfg
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
 def validate(cfg: Mapping[str, Any]) -> CellConfig:
     """Check a resolved run config (composed, or a cell's config.yaml read back; a key it lacks takes the
-    schema's default); raises ConfigError naming the first bad key."""
+    schema's default); raises ConfigError naming the first bad key. The config is read as plain data (its
+    OmegaConf form goes no further than here)."""
     hints = _hints(schema.RunConfig)
-    checked: dict[str, Any] = {}
+    plain = plain_config(cfg)
+    checked: dict[str, Any] = {"resolved": plain}
     for f in dataclasses.fields(schema.RunConfig):
         if f.name in _GROUPS:
-            checked[f.name] = cfg.get(f.name, {})
+            checked[f.name] = plain.get(f.name, {})
         elif f.name not in _LATER:
-            checked[f.name] = _check(f, hints[f.name], cfg if f.name in cfg else _default(f), f.name)
+            checked[f.name] = _check(f, hints[f.name], plain if f.name in plain else _default(f), f.name)
     if checked["shard"] >= checked["n_shards"]:
         raise ConfigError(f"shard={checked['shard']}: must be < n_shards={checked['n_shards']}")
-    checked["extra_grids"] = _extra_grids(cfg, checked["seeds"])
-    checked["policy_options"] = _policy_options(cfg)
-    checked["allocator_options"] = _allocator_options(cfg, checked["allocator"])
-    if checked["allocator"] != schema.RUN.allocator and cfg.get("calibration") is not None:
+    checked["extra_grids"] = _extra_grids(plain, checked["seeds"])
+    checked["policy_options"] = _policy_options(plain)
+    checked["allocator_options"] = _allocator_options(plain, checked["allocator"])
+    if checked["allocator"] != schema.RUN.allocator and plain.get("calibration") is not None:
         raise ConfigError(f"allocator={checked['allocator']}: a calibration's factors are fitted under the uniform "
                           "allocator; drop calibration or the allocator")
-    checked["calibration"] = load_calibration(cfg.get("calibration"))
+    checked["calibration"] = load_calibration(plain.get("calibration"))
     cell = CellConfig(**checked)
     _check_target(cell)
     return cell
