@@ -36,7 +36,7 @@ def cell(tmp_path_factory):
     from kvcert.runner import cli
 
     captured = []
-    real = cell_module.decode_batch
+    real = cell_module.decode_configurations
 
     def capture(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -45,7 +45,7 @@ def cell(tmp_path_factory):
 
     out_dir = tmp_path_factory.mktemp("signals") / "cell"
     patch = pytest.MonkeyPatch()
-    patch.setattr(cell_module, "decode_batch", capture)
+    patch.setattr(cell_module, "decode_configurations", capture)
     threads = torch.get_num_threads()
     try:
         assert cli.main([*OVERRIDES, f"out_dir={out_dir}"]) == 0

@@ -22,7 +22,7 @@ _EXPORTS = {
     "StepRecord": "certificates",
     "ALLOCATORS": "allocators",
     "DESIGNS": "designs",
-    "DesignOptions": "designs",
+    "DesignOptions": "defaults",
     "Selection": "designs",
     "EmptyRetainedSetError": "errors",
     "certificate": "estimator",

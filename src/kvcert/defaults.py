@@ -36,9 +36,12 @@ def knob(default: Any, help: str, **check: Any) -> Any:  # noqa: A002 - the word
     return field(default=default, metadata=metadata)
 
 
-@dataclass
-class DesignKnobs:
-    """``design_options``: the certainty head and the probability floor (kvcert.designs.DesignOptions)."""
+@dataclass(frozen=True)
+class DesignOptions:
+    """``design_options``: the certainty head and the probability floor, the knobs the designs share
+    (``kvcert.sampling.inclusion_probabilities``). The run schema's nested config and the library's immutable
+    value at once (``kvcert.DesignOptions``): frozen, so that a default argument can be shared; Hydra composes
+    it as an editable node (kvcert.hydra_app), so that the command line sets its keys."""
 
     n_sink: int = knob(4, "attention sinks: the first tokens, always kept (pi = 1)", low=0, design_knob=True)
     n_recent: int = knob(32, "recent window: the last prefix tokens, always kept (pi = 1)", low=1, design_knob=True)
@@ -105,7 +108,7 @@ class RunConfig:
                                design_knob=True)
     observation_window: int = knob(16, "last prompt tokens whose queries score the cache (snapkv, tova)", low=1,
                                    design_knob=True)
-    design_options: DesignKnobs = knob(DesignKnobs(), "the certainty head and the probability floor (docs/GLOSSARY.md)")
+    design_options: DesignOptions = knob(DesignOptions(), "the certainty head and the probability floor (docs/GLOSSARY.md)")
     allocator: str = knob("uniform", "slots per (layer, KV head): uniform | adakv (heads of a layer pool their budget) "
                           "| pyramidkv (layer-wise pyramid); kvcert.allocators", known=True, elided_at_default=True)
     # Any, as policy_options: the options depend on the allocator (checked by kvcert.runner.config).
@@ -141,14 +144,14 @@ class CalibrateConfig(RunConfig):
 
 
 RUN = RunConfig()
-DESIGN = DesignKnobs()
+DESIGN = DesignOptions()
 CALIBRATE_KEYS = tuple(f.name for f in dataclasses.fields(CalibrateConfig) if f.name not in RUN.__dataclass_fields__)
 # Keys that change what a cell computes (a resumed cell must match them); the rest (out_dir, progress, threads) do not.
 IDENTITY_KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("identity", True))
 KEYS = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name != "defaults")
 # The knobs that decide pi and the certificate, so a calibration's factors: design_options' (flattened), then the
 # top-level ones by name (the order of a calibration file's "design").
-DESIGN_KNOBS = (*(f.name for f in dataclasses.fields(DesignKnobs) if f.metadata.get("design_knob")),
+DESIGN_KNOBS = (*(f.name for f in dataclasses.fields(DesignOptions) if f.metadata.get("design_knob")),
                 *sorted(f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("design_knob")))
 
 # Keys a cell's config.yaml and identity leave out while they hold their default (see ``knob``).
@@ -196,5 +199,5 @@ def _yaml(value: Any) -> str:
 
 __all__ = [
     "CALIBRATE_KEYS", "DELTA", "DESIGN", "DESIGN_KNOBS", "ELIDED_AT_DEFAULT", "IDENTITY_KEYS", "KEYS", "MISSING", "OBSERVATION_WINDOW", "RUN",
-    "CalibrateConfig", "DesignKnobs", "GridKnobs", "RunConfig", "elide_defaults", "knob", "yaml_lines",
+    "CalibrateConfig", "DesignOptions", "GridKnobs", "RunConfig", "elide_defaults", "knob", "yaml_lines",
 ]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .defaults import DESIGN
+from .defaults import DesignOptions  # the run schema's design_options, defined there once
 from .estimator import sampled_slots
 from .sampling import certain_mask, inclusion_probabilities, poisson_sample, retained_count
 
@@ -42,17 +42,6 @@ class Selection:
     def has_tail(self) -> bool:
         """Whether some retained slot was sampled (π < 1): the design then has a certificate."""
         return bool(sampled_slots(self.log_pi).any())
-
-
-@dataclass(frozen=True)
-class DesignOptions:
-    """Knobs shared by the designs (see ``inclusion_probabilities``): an immutable value of the run schema's
-    ``design_options`` (kvcert.defaults.DesignKnobs), whose defaults and checks they are."""
-
-    n_sink: int = DESIGN.n_sink
-    n_recent: int = DESIGN.n_recent
-    head_fraction: float = DESIGN.head_fraction
-    pi_min: float = DESIGN.pi_min
 
 
 def _pack(keep: torch.Tensor, log_pi_full: torch.Tensor) -> Selection:

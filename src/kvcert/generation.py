@@ -4,7 +4,8 @@
 context alone in the streaming setting) and keeps what the policies need. ``select`` turns a policy,
 a design, a budget and a seed into retained sets; ``decode`` generates greedily on a cache derived from
 the prefill (the prefill itself is never modified, so every configuration starts from the same state).
-``generate`` chains the three for one prompt.
+``decode_configurations`` does both for a list of configurations: the one decode path of ``generate``
+(a prefill and one configuration) and of the cell runner (a prefill and a batch per budget).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .policies import LayerView, get_policy, prefill_needs
 from .query_statistics import FUTURE_POSITIONS, QueryStatistics, rotary_tables
 from .prompts import SETTINGS, build_prompt, check_setting, model_limit
 from .schema import STEP_COLUMNS
-from .targets import calibrated_scales, check_target, targeted_selections
+from .targets import Target, calibrated_scales, check_target, targeted_selections
 
 FULL = "full"
 RUN = defaults.RUN  # the run schema: the defaults here are a cell's
@@ -179,7 +180,8 @@ class Decoded:
     full cache after the prefill; kept_bytes: bytes of the retained prefix slots alone (what a ragged layout
     holds: equal to cache_bytes when every head keeps the same count); attention_path: which implementation
     computed the certified attention (``{"path": "kernel" | "triton" | "pytorch", "reason": ...}``; None when no
-    certificate was computed).
+    certificate was computed); target_choice: with a target (``kvcert.targets``), the chosen expected sample
+    size per layer and KV head (``decode_configurations``; None otherwise).
     """
 
     token_ids: list[int]
@@ -191,6 +193,7 @@ class Decoded:
     text: str = ""
     attention_path: dict | None = None
     kept_bytes: int = 0
+    target_choice: pd.DataFrame | None = None  # with a target: kvcert.targets.CHOICE_COLUMNS per layer and KV head
 
 
 def _empty_steps() -> pd.DataFrame:
@@ -408,6 +411,93 @@ def decode(
     )[0]
 
 
+@dataclass(frozen=True)
+class Configuration:
+    """One compared configuration of a prompt: a policy, a design, a budget and a seed (the full cache has
+    policy == design == "full")."""
+
+    policy: str
+    design: str
+    budget: float
+    seed: int
+
+    @property
+    def is_full(self) -> bool:
+        return self.policy == FULL
+
+
+def configuration_selections(
+    state: Prefill,
+    configuration: Configuration,
+    *,
+    item_id: str | None = None,
+    options: DesignOptions = DesignOptions(),
+    allocator: str = RUN.allocator,
+    allocator_options: dict | None = None,
+    target: Target | None = None,
+    calibration=None,
+) -> tuple[list[Selection] | None, pd.DataFrame | None]:
+    """(per-layer Selections or None for the full cache, the target's choice log or None) of one configuration.
+
+    item_id: the Poisson seed is derived from (seed, item_id) (``item_seed``); None: the seed itself. target: the
+    Poisson design at the sizes the target chooses (the budget a cap), its certificate scaled by ``calibration``'s
+    factors when given; otherwise ``select`` with the allocator.
+    """
+    if configuration.is_full:
+        return None, None
+    seed = configuration.seed if item_id is None else item_seed(configuration.seed, item_id)
+    if target is None:
+        return select(state, configuration.policy, configuration.design, configuration.budget, seed, options,
+                      allocator, allocator_options), None
+    scales = None if calibration is None else calibrated_scales(
+        calibration, setting=state.setting, policy=configuration.policy, budget=configuration.budget,
+        n_layers=len(state.cache.layers))
+    return targeted_selections(state.layer_views(), state.scores(configuration.policy), target, configuration.budget,
+                               options, seed, get_policy(configuration.policy).certain_top_slice, scales)
+
+
+def decode_configurations(
+    model,
+    state: Prefill,
+    configurations: list[Configuration],
+    *,
+    item_id: str | None = None,
+    max_new_tokens: int = 16,
+    stop_ids: set[int] | None = None,
+    certify: bool = True,
+    oracle: bool = False,
+    delta: float = RUN.delta,
+    options: DesignOptions = DesignOptions(),
+    allocator: str = RUN.allocator,
+    allocator_options: dict | None = None,
+    target: Target | None = None,
+    calibration=None,
+) -> list[Decoded]:
+    """Several configurations of one prefilled prompt, decoded together: one Decoded per configuration, in order.
+
+    The one decode path of ``generate`` (one configuration) and of the cell runner (a batch per budget):
+    each configuration's selections (``configuration_selections``), one ``decode_batch``, then, given a
+    calibration (loaded and checked: ``kvcert.calibration.prepare_calibration``), its calibrated certificate
+    added to the compressed configurations' steps; with a target, each Decoded carries its ``target_choice``.
+    """
+    picked = [configuration_selections(state, conf, item_id=item_id, options=options, allocator=allocator,
+                                       allocator_options=allocator_options, target=target, calibration=calibration)
+              for conf in configurations]
+    decoded = decode_batch(
+        model, state, [selections for selections, _ in picked], max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+        certify=certify, oracle=oracle, delta=delta,
+        randomized=[not conf.is_full and conf.design == "poisson" for conf in configurations],
+    )
+    for conf, out, (_, choice) in zip(configurations, decoded, picked):
+        out.target_choice = choice
+        if calibration is not None and not conf.is_full:
+            from .calibration import apply_calibration
+
+            out.steps = apply_calibration(calibration, out.steps, design=conf.design, policy=conf.policy,
+                                          budget=conf.budget, setting=state.setting, checked=True)
+    return decoded
+
+
 @dataclass
 class GenerationResult(Decoded):
     """``Decoded`` plus the prompt's token counts and the configuration that produced it."""
@@ -419,7 +509,6 @@ class GenerationResult(Decoded):
     setting: str = "question_aware"
     context_tokens: int = 0
     allocator: str = RUN.allocator
-    target_choice: pd.DataFrame | None = None  # with a target: kvcert.targets.CHOICE_COLUMNS per layer and KV head
 
 
 def generate(
@@ -489,27 +578,16 @@ def generate(
     needs = prefill_needs([] if full else [policy], policy_options)
     state = prefill(model, prompt.prefix_ids, prompt.suffix_ids, setting=setting,
                     observation_window=observation_window, **needs, policy_options=policy_options)
-    draw = seed if item_id is None else item_seed(seed, item_id)
-    choice = None
-    if target is not None:
-        scales = None if calibration is None else calibrated_scales(
-            calibration, setting=setting, policy=policy, budget=budget, n_layers=len(state.cache.layers))
-        selections, choice = targeted_selections(state.layer_views(), state.scores(policy), target, budget, options,
-                                                 draw, get_policy(policy).certain_top_slice, scales)
-    else:
-        selections = None if full else select(state, policy, design, budget, draw, options, allocator, allocator_options)
-    decoded = decode(
-        model, state, selections, max_new_tokens=max_new_tokens, stop_ids=eos_ids(model, tokenizer),
-        certify=certify, oracle=oracle, delta=delta, randomized=(not full and design == "poisson"),
+    configuration = Configuration(FULL, FULL, 1.0, seed) if full else Configuration(policy, design, budget, seed)
+    decoded, = decode_configurations(
+        model, state, [configuration], item_id=item_id, max_new_tokens=max_new_tokens,
+        stop_ids=eos_ids(model, tokenizer), certify=certify, oracle=oracle, delta=delta, options=options,
+        allocator=allocator, allocator_options=allocator_options, target=target,
+        calibration=None if full else calibration,
     )
     fields = {k: getattr(decoded, k) for k in Decoded.__dataclass_fields__}
     fields["text"] = tokenizer.decode(decoded.token_ids, skip_special_tokens=True)
-    if calibration is not None and not full:
-        from .calibration import apply_calibration
-
-        fields["steps"] = apply_calibration(calibration, fields["steps"], design=design, policy=policy,
-                                            budget=budget, setting=setting, checked=True)
     return GenerationResult(
         **fields, policy=policy, design=FULL if full else design, budget=1.0 if full else budget, seed=seed,
-        setting=setting, context_tokens=state.context_tokens, allocator=allocator, target_choice=choice,
+        setting=setting, context_tokens=state.context_tokens, allocator=allocator,
     )

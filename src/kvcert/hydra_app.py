@@ -33,8 +33,22 @@ def _register_schemas(typed: bool = True) -> None:
 
     store = ConfigStore.instance()
     for name, schema in SCHEMAS.items():
-        node = schema if typed else OmegaConf.to_container(OmegaConf.create(dataclasses.asdict(schema())))
+        node = _editable(OmegaConf.structured(schema)) if typed else OmegaConf.to_container(
+            OmegaConf.create(dataclasses.asdict(schema())))
         store.store(name=f"{name}_schema", node=node)
+
+
+def _editable(node):
+    """``node`` with the read-only flag that OmegaConf gives a frozen dataclass (``design_options``: the library's
+    immutable DesignOptions) lifted, so that the command line and the config files can set its keys; the types
+    still hold."""
+    from omegaconf import DictConfig, OmegaConf
+
+    OmegaConf.set_readonly(node, None)
+    for key in node:
+        if isinstance(node._get_node(key), DictConfig):
+            _editable(node[key])
+    return node
 
 
 def _primary_keys(conf_dir: Path, config_name: str) -> dict:

@@ -39,7 +39,7 @@ from typing import Any, Mapping, TypedDict
 
 import yaml
 
-from .defaults import DesignKnobs, RunConfig
+from .defaults import DesignOptions, RunConfig
 
 
 class ScaleError(ValueError):
@@ -57,7 +57,7 @@ class Cell(TypedDict):
 # Keys an override may set: the schema's, design_options' own, and anything below the config groups and
 # policy_options (their loaders check those).
 _RUN_KEYS = {f.name for f in dataclasses.fields(RunConfig)} - {"defaults"}
-_DOTTED_KEYS = {f"design_options.{f.name}" for f in dataclasses.fields(DesignKnobs)}
+_DOTTED_KEYS = {f"design_options.{f.name}" for f in dataclasses.fields(DesignOptions)}
 _OPEN_PREFIXES = ("data.", "model.", "policy_options.")
 
 

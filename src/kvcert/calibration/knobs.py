@@ -11,12 +11,11 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-from ..defaults import DESIGN_KNOBS, RUN, DesignKnobs
-from ..designs import DesignOptions
+from ..defaults import DESIGN_KNOBS, RUN, DesignOptions
 
 KNOBS = DESIGN_KNOBS
 # Knobs that live under ``design_options`` in a run configuration; the rest are top-level keys.
-_DESIGN_OPTIONS = tuple(f.name for f in dataclasses.fields(DesignKnobs))
+_DESIGN_OPTIONS = tuple(f.name for f in dataclasses.fields(DesignOptions))
 
 
 def design_knobs(options: DesignOptions = DesignOptions(), *, delta: float = RUN.delta,
@@ -26,7 +25,7 @@ def design_knobs(options: DesignOptions = DesignOptions(), *, delta: float = RUN
     values = {**{name: getattr(options, name) for name in _DESIGN_OPTIONS}, "delta": delta,
               "observation_window": observation_window,
               "policy_options": json.loads(json.dumps(dict(policy_options or {}), sort_keys=True))}
-    kinds = {f.name: type(f.default) for f in (*dataclasses.fields(DesignKnobs), *dataclasses.fields(RUN))
+    kinds = {f.name: type(f.default) for f in (*dataclasses.fields(DesignOptions), *dataclasses.fields(RUN))
              if isinstance(f.default, (int, float)) and not isinstance(f.default, bool)}
     return {name: kinds[name](values[name]) if name in kinds else values[name] for name in KNOBS}
 

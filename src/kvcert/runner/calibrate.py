@@ -81,8 +81,6 @@ def _knobs(cell) -> dict:
 
 def _fit_from_run(cfg, options: dict, out: Path):
     """Run the calibration cell (checked like kvcert-run first), then read its tables."""
-    from omegaconf import OmegaConf
-
     from ..data import load_items, shard_items
     from ..models import load_tokenizer
     from .cell import check_out_dir, run_cell
@@ -93,9 +91,8 @@ def _fit_from_run(cfg, options: dict, out: Path):
     if not any(c.design == "poisson" for c in cell.configurations()):
         raise ConfigError(f"designs={list(cell.designs)}: no configuration has a certificate to calibrate; "
                           "include poisson")
-    spec = ModelSpec.parse(OmegaConf.to_container(run_cfg.model, resolve=True))
-    data_cfg = OmegaConf.to_container(run_cfg.data, resolve=True)
-    items = load_items(data_cfg.get("name"), data_cfg, load_tokenizer(spec), cell.n_items)
+    spec = ModelSpec.parse(cell.model)
+    items = load_items(cell.data.get("name"), cell.data, load_tokenizer(spec), cell.n_items)
     n_prompts = len(shard_items(items, cell.shard, cell.n_shards, cell.shard_by))
     level = options["level"] or default_level(cell.delta)
     need = needed_prompts(level, options["unit"], cell.delta)

@@ -21,19 +21,19 @@ import torch
 from tqdm.auto import tqdm
 
 from ..atomic import unwritable_reason, write_parquet_atomic, write_text_atomic
-from ..calibration import Calibration, apply_calibration, calibration_summary, prepare_calibration
+from ..calibration import Calibration, calibration_summary, prepare_calibration
 from ..data import Item, is_correct, load_items, score_item, shard_items
 from ..defaults import ELIDED_AT_DEFAULT, IDENTITY_KEYS, RUN, elide_defaults
 from ..errors import ConfigError
-from ..generation import FULL, Prefill, decode_batch, eos_ids, item_seed, prefill, select
+from ..generation import FULL, Prefill, decode_configurations, eos_ids, prefill
 from ..kernels import attention_path
 from ..models import ModelSpec, load_model
-from ..policies import get_policy, prefill_needs
+from ..policies import prefill_needs
 from ..prompts import PromptIds, build_prompt, model_limit
 from ..provenance import code_fingerprint, sha256_file, short
 from ..schema import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS
-from ..targets import CHOICE_COLUMNS, calibrated_scales, targeted_selections
-from .config import CellConfig, Configuration, validate
+from ..targets import CHOICE_COLUMNS
+from .config import CellConfig, Configuration, plain_config, validate
 from .manifest import build_manifest
 from .tables import ITEM_COLUMNS, empty_step_table, logprob_summary, summarize_steps, tag_steps
 
@@ -52,9 +52,9 @@ def item_prompt(tokenizer, item: Item, setting: str, limit: int, truncate: str) 
 
 
 def _identity(cfg: Mapping[str, Any], items: list[Item], fingerprint: str) -> dict:
-    from omegaconf import OmegaConf
-
-    plain = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
+    """What a resumed cell must match: ``cfg`` (a resolved run config, e.g. ``CellConfig.resolved``)'s identity
+    keys, the items' hash and the code's fingerprint."""
+    plain = plain_config(cfg)
     # the schema's knobs that change what a cell computes (a later key at its default left out, as in config.yaml)
     config = elide_defaults({k: plain.get(k) for k in IDENTITY_KEYS if k in plain or k not in ELIDED_AT_DEFAULT})
     calibration = config.get("calibration")
@@ -69,8 +69,7 @@ def config_yaml(cfg) -> str:
     container, so a config without such keys is written byte for byte as before they existed."""
     from omegaconf import OmegaConf
 
-    plain = cfg if isinstance(cfg, dict) else OmegaConf.to_container(cfg, resolve=True)
-    return OmegaConf.to_yaml(elide_defaults(plain))
+    return OmegaConf.to_yaml(elide_defaults(plain_config(cfg)))
 
 
 def dataset_hash(items: list[Item]) -> str:
@@ -89,28 +88,6 @@ def batches(configurations: list[Configuration]) -> list[list[Configuration]]:
         if not conf.is_full:
             groups.setdefault(conf.budget, []).append(conf)
     return [[c for c in configurations if c.is_full], *groups.values()]
-
-
-def _selections(state: Prefill, conf: Configuration, item: Item, cell: CellConfig, choices: list | None):
-    """One configuration's per-layer selections (None: the full cache); with a target, the Poisson design at the
-    chosen sizes, its choice log (CHOICE_COLUMNS + the run's keys) appended to ``choices``."""
-    if conf.is_full:
-        return None
-    seed = item_seed(conf.seed, item.id)
-    target = cell.target
-    if target is None:
-        return select(state, conf.policy, conf.design, conf.budget, seed, cell.options, cell.allocator,
-                      cell.allocator_options)
-    scales = None if cell.calibration is None else calibrated_scales(
-        cell.calibration, setting=cell.setting, policy=conf.policy, budget=conf.budget,
-        n_layers=len(state.cache.layers))
-    selections, choice = targeted_selections(state.layer_views(), state.scores(conf.policy), target, conf.budget,
-                                             cell.options, seed, get_policy(conf.policy).certain_top_slice, scales)
-    if choices is not None:
-        keys = {"item_id": item.id, "policy": conf.policy, "design": conf.design, "budget": conf.budget,
-                "seed": conf.seed, "setting": cell.setting}
-        choices.append(choice.assign(**keys)[KEY_COLUMNS + CHOICE_COLUMNS])
-    return selections
 
 
 def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, meta: dict, timings: dict,
@@ -132,10 +109,10 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
     rows, steps = [], []
     for group in batches(cell.configurations()):
         start = time.perf_counter()
-        selections = [_selections(state, conf, item, cell, choices) for conf in group]
-        decoded_group = decode_batch(
-            model, state, selections, max_new_tokens=max_new, stop_ids=stop, certify=cell.certify,
-            oracle=cell.oracle, delta=cell.delta, randomized=[conf.design == "poisson" for conf in group],
+        decoded_group = decode_configurations(
+            model, state, group, item_id=item.id, max_new_tokens=max_new, stop_ids=stop, certify=cell.certify,
+            oracle=cell.oracle, delta=cell.delta, options=cell.options, allocator=cell.allocator,
+            allocator_options=cell.allocator_options, target=cell.target, calibration=cell.calibration,
         )
         timings["decode"] += time.perf_counter() - start
         for conf, decoded in zip(group, decoded_group):
@@ -143,13 +120,11 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
             score = float(score_item(item, prediction))
             keys = {"item_id": item.id, "policy": conf.policy, "design": conf.design, "budget": conf.budget,
                     "seed": conf.seed, "setting": cell.setting}
-            run_steps = decoded.steps
-            if cell.calibration is not None and not conf.is_full:
-                run_steps = apply_calibration(cell.calibration, run_steps, design=conf.design, policy=conf.policy,
-                                              budget=conf.budget, setting=cell.setting, checked=True)
+            if choices is not None and decoded.target_choice is not None:
+                choices.append(decoded.target_choice.assign(**keys)[KEY_COLUMNS + CHOICE_COLUMNS])
             # The item row summarizes the step rows as steps.parquet stores them (float32), so that a reader who
             # recomputes cert_mean & co. from steps.parquet gets the item row's numbers exactly.
-            stored = tag_steps(run_steps, keys) if len(run_steps) else run_steps
+            stored = tag_steps(decoded.steps, keys) if len(decoded.steps) else decoded.steps
             rows.append({
                 **keys, "task": item.task, "prediction": prediction, "score": score,
                 "correct": bool(is_correct(score, item.metric)), **logprob_summary(decoded.logprobs),
@@ -170,18 +145,17 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
 
 
 def run_cell(cfg, out_dir: str | Path) -> Path:
-    """Run one cell described by a resolved run config; returns ``out_dir``."""
-    from omegaconf import OmegaConf
-
+    """Run one cell described by a resolved run config; returns ``out_dir`` (where the tables go; config.yaml
+    records ``cfg``'s own out_dir). The config is checked once here: below, only the CellConfig travels."""
     wall = time.perf_counter()
     cell = validate(cfg)
     out_dir = Path(out_dir)
     check_out_dir(out_dir)
-    if cfg.get("threads"):
-        torch.set_num_threads(int(cfg.threads))
+    if cell.threads:
+        torch.set_num_threads(cell.threads)
     timings: dict[str, float] = defaultdict(float)
     start = time.perf_counter()
-    spec = ModelSpec.parse(OmegaConf.to_container(cfg.model, resolve=True))
+    spec = ModelSpec.parse(cell.model)
     model, tokenizer = load_model(spec)
     timings["load_model"] = time.perf_counter() - start
     if cell.calibration is not None:  # a file of another model or design is refused before anything is written
@@ -190,8 +164,7 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
                             options=cell.options, delta=cell.delta, observation_window=cell.observation_window,
                             policy_options=cell.policy_options)
     start = time.perf_counter()
-    data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
-    items = load_items(data_cfg.get("name"), data_cfg, tokenizer, cell.n_items)
+    items = load_items(cell.data.get("name"), cell.data, tokenizer, cell.n_items)
     shard = shard_items(items, cell.shard, cell.n_shards, cell.shard_by)
     timings["load_data"] = time.perf_counter() - start
     if not shard:
@@ -203,7 +176,7 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
     prompts = [item_prompt(tokenizer, item, cell.setting, limit, cell.truncate) for item in shard]
 
     parts = out_dir / PARTS
-    identity = _identity(cfg, items, code_fingerprint())
+    identity = _identity(cell.resolved, items, code_fingerprint())
     marker = parts / "identity.json"
     if marker.exists():
         _check_resumable(json.loads(marker.read_text()), identity, out_dir)
@@ -217,7 +190,7 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
         _remove_empty(created)
         raise ConfigError(f"out_dir={out_dir}: cannot write there ({err.strerror or err})") from None
     try:
-        return _run_items(cfg, cell, spec, model, tokenizer, items, shard, prompts, parts, out_dir, identity,
+        return _run_items(cell, spec, model, tokenizer, items, shard, prompts, parts, out_dir, identity,
                           timings, wall)
     except BaseException:
         # A failure before any item finished leaves nothing behind; finished items are kept for the rerun.
@@ -270,17 +243,15 @@ def _remove_empty(dirs: list[Path]) -> None:
             break
 
 
-def _run_items(cfg, cell, spec, model, tokenizer, items, shard, prompts, parts, out_dir, identity, timings, wall):
-    from omegaconf import OmegaConf
-
-    data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
-    meta = {"model": spec.kind if spec.kind != "hf" else str(spec.name), "data": data_cfg.get("name")}
+def _run_items(cell: CellConfig, spec, model, tokenizer, items, shard, prompts, parts, out_dir, identity, timings,
+               wall):
+    meta = {"model": spec.kind if spec.kind != "hf" else str(spec.name), "data": cell.data.get("name")}
     if spec.kind == "gguf":
         meta["model"] = Path(spec.path).stem
     done = [i for i in range(len(shard)) if (parts / f"{i:06d}.items.parquet").exists()]
     timings["resumed_items"] = len(done)
     bar = tqdm(total=len(shard), initial=len(done), desc=f"cell shard {cell.shard}/{cell.n_shards}",
-               unit="item", file=sys.stderr, disable=not cfg.get("progress", True), dynamic_ncols=True)
+               unit="item", file=sys.stderr, disable=not cell.progress, dynamic_ncols=True)
     for index, item in enumerate(shard):
         if index in done:
             continue
@@ -310,7 +281,7 @@ def _run_items(cfg, cell, spec, model, tokenizer, items, shard, prompts, parts, 
                                        ignore_index=True), outputs["targets.parquet"])
     write_parquet_atomic(steps_frame, outputs["steps.parquet"])
     write_parquet_atomic(items_frame, outputs["items.parquet"])
-    write_text_atomic(config_yaml(cfg), outputs["config.yaml"])
+    write_text_atomic(config_yaml(cell.resolved), outputs["config.yaml"])
     timings["write"] += time.perf_counter() - start
     timings["total"] = time.perf_counter() - wall
     parameter = next(model.parameters())

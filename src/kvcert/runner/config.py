@@ -13,9 +13,9 @@ from .. import defaults as schema
 from ..allocators import ALLOCATORS
 from ..calibration import BASES, UNITS, load_calibration
 from ..data import SHARD_BY
-from ..designs import DESIGNS, DesignOptions
+from ..designs import DESIGNS
 from ..errors import ConfigError
-from ..generation import FULL
+from ..generation import FULL, Configuration  # a cell's configurations are the library's
 from ..policies import POLICIES
 from ..policies.base import renamed_hint
 from ..prompts import SETTINGS, TRUNCATE
@@ -26,28 +26,19 @@ KNOWN = {"policies": POLICIES, "designs": DESIGNS, "setting": SETTINGS, "shard_b
          "unit": UNITS, "base": BASES, "allocator": ALLOCATORS}
 
 
-@dataclass(frozen=True)
-class Configuration:
-    """One compared configuration of a cell (the full cache has policy == design == "full")."""
-
-    policy: str
-    design: str
-    budget: float
-    seed: int
-
-    @property
-    def is_full(self) -> bool:
-        return self.policy == FULL
-
-
 @dataclass
 class CellConfig(schema.RunConfig):
-    """A checked ``RunConfig``: lists are tuples, ``extra_grids`` are ``Grid``s, ``calibration`` is None, "design"
-    or a loaded kvcert.calibration.Calibration (checked against the model later)."""
+    """A checked ``RunConfig``, the one config object below ``run_cell``: lists are tuples, ``extra_grids`` are
+    ``Grid``s, ``data``/``model`` plain mappings, ``calibration`` is None, "design" or a loaded
+    kvcert.calibration.Calibration (checked against the model later); ``resolved`` is the resolved config it was
+    checked from, as plain data in its key order (what config.yaml and the cell's identity record)."""
+
+    resolved: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
-    def options(self) -> DesignOptions:
-        return DesignOptions(**dataclasses.asdict(self.design_options))
+    def options(self) -> schema.DesignOptions:
+        """The checked ``design_options`` (already the library's immutable value)."""
+        return self.design_options
 
     @property
     def target(self) -> Target | None:
@@ -291,25 +282,36 @@ _LATER = ("extra_grids", "policy_options", "allocator_options", "calibration")
 _GROUPS = ("defaults", "data", "model")
 
 
+def plain_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A run config as plain data, interpolations resolved (an OmegaConf config converted; a dict as it is)."""
+    if isinstance(cfg, dict):
+        return cfg
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
 def validate(cfg: Mapping[str, Any]) -> CellConfig:
     """Check a resolved run config (composed, or a cell's config.yaml read back; a key it lacks takes the
-    schema's default); raises ConfigError naming the first bad key."""
+    schema's default); raises ConfigError naming the first bad key. The config is read as plain data (its
+    OmegaConf form goes no further than here)."""
     hints = _hints(schema.RunConfig)
-    checked: dict[str, Any] = {}
+    plain = plain_config(cfg)
+    checked: dict[str, Any] = {"resolved": plain}
     for f in dataclasses.fields(schema.RunConfig):
         if f.name in _GROUPS:
-            checked[f.name] = cfg.get(f.name, {})
+            checked[f.name] = plain.get(f.name, {})
         elif f.name not in _LATER:
-            checked[f.name] = _check(f, hints[f.name], cfg if f.name in cfg else _default(f), f.name)
+            checked[f.name] = _check(f, hints[f.name], plain if f.name in plain else _default(f), f.name)
     if checked["shard"] >= checked["n_shards"]:
         raise ConfigError(f"shard={checked['shard']}: must be < n_shards={checked['n_shards']}")
-    checked["extra_grids"] = _extra_grids(cfg, checked["seeds"])
-    checked["policy_options"] = _policy_options(cfg)
-    checked["allocator_options"] = _allocator_options(cfg, checked["allocator"])
-    if checked["allocator"] != schema.RUN.allocator and cfg.get("calibration") is not None:
+    checked["extra_grids"] = _extra_grids(plain, checked["seeds"])
+    checked["policy_options"] = _policy_options(plain)
+    checked["allocator_options"] = _allocator_options(plain, checked["allocator"])
+    if checked["allocator"] != schema.RUN.allocator and plain.get("calibration") is not None:
         raise ConfigError(f"allocator={checked['allocator']}: a calibration's factors are fitted under the uniform "
                           "allocator; drop calibration or the allocator")
-    checked["calibration"] = load_calibration(cfg.get("calibration"))
+    checked["calibration"] = load_calibration(plain.get("calibration"))
     cell = CellConfig(**checked)
     _check_target(cell)
     return cell
