@@ -11,7 +11,7 @@ Bases: ``claims`` (version 1's frozen module) and ``amendment2`` (version 1's cl
 scikit-learn AUC method of kvcert.analysis.discrimination: amendment 2's analysis without its module's copies;
 scikit-learn is imported only when asked for). Variants: every variant of the frozen module
 kvcert.analysis.variants (frozen by amendment 4's lock, so it is read, never edited), and whatever later code
-registers (kvcert.analysis.strata: amendment 5's C2/C3 per configuration, C6/C7 within each model).
+lists for it (kvcert.analysis.strata: amendment 5's C2/C3 per configuration, C6/C7 within each model).
 """
 
 from __future__ import annotations
@@ -107,9 +107,18 @@ def _frozen_variants() -> None:
 
 _frozen_variants()
 
-# Later variants, in modules of their own, register themselves on import (amendment 5's: per model, per
-# configuration). Imported here, after register_variant exists, so that every name is known to analysis().
-from kvcert.analysis import strata  # noqa: E402,F401
+
+
+def _listed_variants() -> None:
+    """The variants later amendments' modules list (amendment 5's kvcert.analysis.strata: per configuration, per
+    model), registered under their own names."""
+    from kvcert.analysis import strata
+
+    for choice, claim, name, tables, fn in strata.VARIANTS:
+        _add_variant(choice, claim, name, ClaimDef(fn, tables))
+
+
+_listed_variants()
 
 
 def with_choices(base: Analysis, choices: dict[str, str], where: str) -> Analysis:

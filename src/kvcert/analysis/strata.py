@@ -36,9 +36,21 @@ import pandas as pd
 from kvcert.analysis import data, discrimination, parts, replay, verdicts
 from kvcert.analysis.claims import ClaimResult, Options, Tables, population
 from kvcert.analysis.errors import AnalysisError
-from kvcert.analysis.registry import register_variant
 from kvcert.analysis.stats import Median, Spearman, weighted_mean
 from kvcert.analysis.variants import WithinGroupReplay
+
+# (choice, claim, name, tables, function) of this module's variants: kvcert.analysis.registry registers them. The
+# registry imports this module, so this module does not import the registry back (no import circle).
+VARIANTS: list[tuple[str, str, str, tuple[str, ...], object]] = []
+
+
+def variant(choice: str, claim: str, name: str, tables: tuple[str, ...] = ("items",)):
+    """Decorator: list ``fn(tables, spec, conventions, opts) -> ClaimResult`` as variant ``name`` of ``choice``
+    (replacing claim ``claim``) in VARIANTS."""
+    def add(fn):
+        VARIANTS.append((choice, claim, name, tables, fn))
+        return fn
+    return add
 
 MODEL = "model"
 ALLOCATOR, SHARE = "allocator", "head_fraction"
@@ -90,7 +102,7 @@ def policies_of(df: pd.DataFrame, pop: dict, designs: list[str]) -> tuple[list[s
 # --- C2 per configuration ----------------------------------------------------------------------------------
 
 
-@register_variant("c2_scope", "c2", "per_configuration")
+@variant("c2_scope", "c2", "per_configuration")
 def no_cost_per_configuration(tables: Tables, spec: dict, conv: dict, opts: Options) -> ClaimResult:
     """C2 with one component per (policy, allocator, share, budget): Poisson+Hajek minus top-k of the same
     policy, allocator and budget, paired per item (points), items bootstrapped jointly over every component."""
@@ -135,7 +147,7 @@ def no_cost_per_configuration(tables: Tables, spec: dict, conv: dict, opts: Opti
 # --- C3 per configuration ----------------------------------------------------------------------------------
 
 
-@register_variant("c3_scope", "c3", "per_configuration", tables=("steps",))
+@variant("c3_scope", "c3", "per_configuration", tables=("steps",))
 def coverage_per_configuration(tables: Tables, spec: dict, conv: dict, opts: Options) -> ClaimResult:
     """C3 with components coverage[p,a,h] and spearman[p,a,h] per (policy, allocator, share), budgets pooled,
     plus the descriptive median of certificate / true error over a configuration's step rows (its width
@@ -207,7 +219,7 @@ def within_model_auc(method: discrimination.AucMethod, scores: np.ndarray, label
         return np.where(den > 0, num / den, np.nan)
 
 
-@register_variant("c6_ranking", "c6", "within_model")
+@variant("c6_ranking", "c6", "within_model")
 def attribution_within_model(tables: Tables, spec: dict, conv: dict, opts: Options) -> ClaimResult:
     """C6 with its AUCs over (cache-induced, inherent) failing-run pairs of the same model: population, runs,
     classes, bootstrap, components and decision rule are version 4's (amendment 2's scikit-learn AUC)."""
@@ -246,7 +258,7 @@ def attribution_within_model(tables: Tables, spec: dict, conv: dict, opts: Optio
     return parts.finish(spec, comps, n, details)
 
 
-@register_variant("c7_gating", "c7", "within_model")
+@variant("c7_gating", "c7", "within_model")
 def recompute_within_model(tables: Tables, spec: dict, conv: dict, opts: Options) -> ClaimResult:
     """C7 with the gate firing for the top recompute_rate of each model's runs (as amendment 4's C5 gate);
     random gating, runs, recomputed outcome, bootstrap, components and decision rule are version 1's."""
