@@ -108,9 +108,8 @@ def prefill(
     collect each key's accumulated attention (needed by h2o and observed_attention; one more O(n²) pass);
     query_statistics: also collect the queries' mean and covariance before RoPE and the rotary tables after
     the prefix (needed by expected_attention and cap; O(n·d²) per layer); pre_rope_keys: also keep the keys
-    before RoPE, the prefix's keys un-rotated with the model's rotary tables (needed by leverage and compactor;
-    one float32 copy of the keys); ``kvcert.policies.prefill_needs`` says
-    which a set of policies needs; policy_options: per
+    before RoPE, the prefix's keys un-rotated with the model's rotary tables (needed by leverage; one float32
+    copy of the keys); ``kvcert.policies.prefill_needs`` says which a set of policies needs; policy_options: per
     policy name, keyword options of that policy (e.g. ``{"snapkv": {"kernel_size": 7, "pooling": "max"}}``).
     """
     check_setting(setting)

@@ -246,7 +246,12 @@ def cap_and_leverage_scores(module, keys, values, kwargs) -> dict[str, np.ndarra
     from kvpress import CapPress, LeverageScorePress
 
     hidden, i = kwargs["hidden_states"], module.layer_idx
-    out = {f"cap_layer{i}": CapPress().score(module, hidden, keys, values, None, kwargs).double().numpy()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # this torch's batched linalg.solve fails (lu_solve pivots) on Gemma 3's 256-dim values
+    try:  # when run on 2 threads; on one it solves
+        out = {f"cap_layer{i}": CapPress().score(module, hidden, keys, values, None, kwargs).double().numpy()}
+    finally:
+        torch.set_num_threads(threads)
     torch.manual_seed(LEVERAGE_SEED + i)
     leverage = LeverageScorePress().score(module, hidden, keys, values, None, kwargs)
     out[f"leverage_layer{i}"] = leverage.double().numpy()
