@@ -409,9 +409,11 @@ def test_cur_equals_kvpress_after_its_sinks(compared):
 # ------------------------------------------------------------------------------------------------ Cap, LeverageScore
 # (kvpress_scores.py's block of that name.)
 # * Cap (CAPKV, arXiv:2604.25975): kvcert's ``cap`` gives kvpress's CapPress scores for every key after the n_sink
-#   (4) sinks, to RTOL_EXPONENTIAL (the weights exponentiate τ·cosines built from the queries' mean, which kvpress
-#   sums in float32 from its own projection of the hidden states). kvpress puts its sinks above every key of the
-#   layer (max + 1); kvcert gives them the head's highest score.
+#   (4) sinks, to RTOL_EXPONENTIAL on SmolLM2 (the weights exponentiate τ·cosines built from the queries' mean,
+#   which kvpress sums in float32 from its own projection of the hidden states) and to RTOL_CAP_GEMMA3 on Gemma 3,
+#   whose first layers' values reach norms of 100: kvpress solves I + Σ w v vᵀ in float32, kvcert in float64
+#   (4e-4 measured in layer 1). kvpress puts its sinks above every key of the layer (max + 1); kvcert gives them
+#   the head's highest score.
 # * LeverageScore (Compactor's leverage, Chari & Van Durme, 2025): kvpress z-scores the leverages over the layer
 #   ((ℓ − mean) / std, every head together), kvcert keeps ℓ ∈ [0, 1) (non-negative for the Poisson design; the
 #   z-score is an increasing affine map shared by the layer's heads, so the order is the same). Checked as
@@ -422,6 +424,7 @@ def test_cur_equals_kvpress_after_its_sinks(compared):
 #   redone in float32 on kvcert's keys differs from kvpress by as much); kvcert solves in float64. The order is
 #   checked too: the two keep the same keys at half the layer's budget but for LEVERAGE_SWAPS of them.
 LEVERAGE_SHARE, LEVERAGE_SWAPS = 0.01, 0.01
+RTOL_CAP_GEMMA3 = 1e-3
 
 
 def test_cap_equals_kvpress_after_its_sinks(scorer_prefill):
@@ -430,7 +433,8 @@ def test_cap_equals_kvpress_after_its_sinks(scorer_prefill):
     for i, mine in enumerate(state.scores("cap")):
         theirs, mine = peer[f"cap_layer{i}"], mine.double().numpy()
         assert mine.shape == theirs.shape == (1, hk, n)
-        np.testing.assert_allclose(mine[..., sinks:], theirs[..., sinks:], rtol=RTOL_EXPONENTIAL, atol=ATOL,
+        rtol = RTOL_CAP_GEMMA3 if model_name == "gemma3" else RTOL_EXPONENTIAL
+        np.testing.assert_allclose(mine[..., sinks:], theirs[..., sinks:], rtol=rtol, atol=ATOL,
                                    err_msg=f"{model_name} layer {i}")
         np.testing.assert_allclose(theirs[..., :sinks], theirs[..., sinks:].max() + 1, rtol=1e-6)  # float32 max + 1
         assert (mine[..., :sinks] == mine[..., sinks:].max(-1, keepdims=True)).all()
