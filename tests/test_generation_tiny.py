@@ -33,7 +33,7 @@ CONTEXT = 40
 QUESTION = 6
 STEPS = 4
 ATOL = 1e-5
-FIELD_SCORERS = ["expected_attention", "criticalkv", "observed_attention"]  # kvpress's, beyond the originals
+FIELD_SCORERS = ["expected_attention", "criticalkv", "observed_attention", "leverage", "cap"]  # kvpress's, beyond the originals
 
 
 def _prefill(model, context: torch.Tensor, question: torch.Tensor, setting: str, **needs):
@@ -203,9 +203,9 @@ def test_compressed_budget_runs_with_physical_slots_near_budget(setting, design,
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_field_scorers_score_every_architecture(arch):
-    """ExpectedAttention, CriticalKV and ObservedAttention on every tiny architecture (GQA, MQA, sliding
-    windows, Gemma 3's two RoPEs, Phi-3's fused qkv, StableLM's partial rotary): one non-negative finite score
-    per cached token and KV head, and they rank the tokens differently from each other."""
+    """ExpectedAttention, CriticalKV, ObservedAttention, LeverageScore and Cap on every tiny architecture (GQA, MQA,
+    sliding windows, Gemma 3's two RoPEs, Phi-3's fused qkv, StableLM's partial rotary): one non-negative finite
+    score per cached token and KV head, and they rank the tokens differently from each other."""
     _, model, _ = _build(arch)
     context, question = _prompt(5)
     state = _prefill(model, context, question, "question_aware", **prefill_needs(FIELD_SCORERS))

@@ -211,6 +211,31 @@ def test_adakv_kept_counts_equal_kvpress(compared):
     assert differs or hk == 1, f"{model_name}: every head kept the same count: the comparison shows nothing"
 
 
+def test_criticaladakv_counts_are_adakv_over_its_base_not_over_criticalkv(compared):
+    """CriticalAdaKV (Feng et al., 2025, with AdaKV) sizes each head by AdaKV over its base press's scores, then
+    picks within the head by the CriticalKV-reweighted scores: its per-head counts equal AdaKVPress's over the same
+    SnapKV, hence kvcert's ``adakv`` over ``snapkv`` (test_adakv_kept_counts_equal_kvpress). kvcert's ``adakv`` over
+    ``criticalkv`` pools the reweighted scores, so its counts are not CriticalAdaKV's (checked to differ)."""
+    from kvcert.allocators import LayerBudget, adakv_safeguard
+    from kvcert.designs import DesignOptions, topk_design
+
+    model_name, model, ids, _, peer = compared
+    n, hk = ids.shape[-1], model.config.num_key_value_heads
+    criticalkv = kvcert.prefill(model, ids, observation_window=16).scores("criticalkv")
+    no_certain = DesignOptions(n_sink=0, n_recent=0)
+    differs = False
+    for ratio in _allocator_ratios(peer):
+        count = max(1, int(n * (1 - ratio)))
+        allocation = LayerBudget(count, pooled=True, safeguard=adakv_safeguard(count, 0.2))
+        for i in range(model.config.num_hidden_layers):
+            theirs = peer[f"criticaladakv_cr{ratio}_layer{i}"]
+            assert theirs.shape == (1, hk) and int(theirs.sum()) == hk * count
+            assert theirs.tolist() == peer[f"adakv_cr{ratio}_layer{i}"].tolist(), f"{model_name} ratio {ratio} layer {i}"
+            pooled_critical = topk_design(criticalkv[i], 1 - ratio, no_certain, allocation=allocation).retained.numpy()
+            differs |= pooled_critical.tolist() != theirs.tolist()
+    assert differs or hk == 1, f"{model_name}: adakv over criticalkv gave CriticalAdaKV's counts everywhere"
+
+
 def test_pyramidkv_layer_counts_equal_kvpress(compared):
     from kvcert.allocators import PyramidKV, pyramid_budgets
     from kvcert.sampling import retained_count
@@ -263,7 +288,8 @@ WINDOW = 16
 def scorer_prefill(compared):
     """One kvcert prefill of the case's prompt that collects what the three policies need."""
     model_name, model, ids, _, peer = compared
-    state = kvcert.prefill(model, ids, observation_window=WINDOW, accumulate=True, query_statistics=True)
+    state = kvcert.prefill(model, ids, observation_window=WINDOW, accumulate=True, query_statistics=True,
+                           pre_rope_keys=True)
     return model_name, model, ids, peer, state
 
 
@@ -378,3 +404,54 @@ def test_cur_equals_kvpress_after_its_sinks(compared):
             np.testing.assert_allclose(mine.sum(-1), 1.0, rtol=1e-5)
             if name == "cur_sketch20":  # the projection changes the scores: the equality above is the same draw's
                 assert np.abs(mine - get_policy("cur").score(view).double().numpy()).max() > 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ Cap, LeverageScore
+# (kvpress_scores.py's block of that name.)
+# * Cap (CAPKV, arXiv:2604.25975): kvcert's ``cap`` gives kvpress's CapPress scores for every key after the n_sink
+#   (4) sinks, to RTOL_EXPONENTIAL on SmolLM2 (the weights exponentiate τ·cosines built from the queries' mean,
+#   which kvpress sums in float32 from its own projection of the hidden states) and to RTOL_CAP_GEMMA3 on Gemma 3,
+#   whose first layers' values reach norms of 100: kvpress solves I + Σ w v vᵀ in float32, kvcert in float64
+#   (4e-4 measured in layer 1). kvpress puts its sinks above every key of the layer (max + 1); kvcert gives them
+#   the head's highest score.
+# * LeverageScore (Compactor's leverage, Chari & Van Durme, 2025): kvpress z-scores the leverages over the layer
+#   ((ℓ − mean) / std, every head together), kvcert keeps ℓ ∈ [0, 1) (non-negative for the Poisson design; the
+#   z-score is an increasing affine map shared by the layer's heads, so the order is the same). Checked as
+#   kvpress = z-score(kvcert) with the same sketch (kvcert's generator seeded s draws what kvpress drew after
+#   torch.manual_seed(s)), to LEVERAGE_SHARE of each layer's z-score range, not to 1e-5: kvpress solves the ridge
+#   system in float32, and the sketched Gram matrices of these keys have condition numbers of 1e4 to 2e7 (SmolLM2;
+#   measured), so its float32 leverages carry rounding errors up to 0.6% of the range (kvpress's own arithmetic
+#   redone in float32 on kvcert's keys differs from kvpress by as much); kvcert solves in float64. The order is
+#   checked too: the two keep the same keys at half the layer's budget but for LEVERAGE_SWAPS of them.
+LEVERAGE_SHARE, LEVERAGE_SWAPS = 0.01, 0.01
+RTOL_CAP_GEMMA3 = 1e-3
+
+
+def test_cap_equals_kvpress_after_its_sinks(scorer_prefill):
+    model_name, model, ids, peer, state = scorer_prefill
+    n, hk, sinks = ids.shape[-1], model.config.num_key_value_heads, 4
+    for i, mine in enumerate(state.scores("cap")):
+        theirs, mine = peer[f"cap_layer{i}"], mine.double().numpy()
+        assert mine.shape == theirs.shape == (1, hk, n)
+        rtol = RTOL_CAP_GEMMA3 if model_name == "gemma3" else RTOL_EXPONENTIAL
+        np.testing.assert_allclose(mine[..., sinks:], theirs[..., sinks:], rtol=rtol, atol=ATOL,
+                                   err_msg=f"{model_name} layer {i}")
+        np.testing.assert_allclose(theirs[..., :sinks], theirs[..., sinks:].max() + 1, rtol=1e-6)  # float32 max + 1
+        assert (mine[..., :sinks] == mine[..., sinks:].max(-1, keepdims=True)).all()
+        assert np.ptp(mine[..., sinks:]) > 0
+
+
+def test_leverage_is_kvpress_before_its_z_score(scorer_prefill):
+    model_name, model, ids, peer, state = scorer_prefill
+    seed = int(peer["leverage_seed"])
+    policy = get_policy("leverage")
+    for i, view in enumerate(state.layer_views()):
+        generator = torch.Generator().manual_seed(seed + i)  # kvpress drew after torch.manual_seed(seed + i)
+        mine, theirs = policy.score(view, generator).double().numpy(), peer[f"leverage_layer{i}"]
+        assert mine.shape == theirs.shape and (mine >= 0).all() and (mine < 1).all()
+        z = (mine - mine.mean()) / mine.std(ddof=1)
+        assert np.abs(z - theirs).max() <= LEVERAGE_SHARE * np.ptp(theirs), f"{model_name} layer {i}"
+        half = mine.size // 2  # the top half of the layer's keys, over every head, as a pooled ranking keeps them
+        kept_mine, kept_theirs = set(np.argsort(-mine, axis=None)[:half]), set(np.argsort(-theirs, axis=None)[:half])
+        assert len(kept_mine - kept_theirs) <= LEVERAGE_SWAPS * half, f"{model_name} layer {i}"
+        assert (theirs < 0).any()  # kvpress's z-scores are negative where kvcert's leverages are not

@@ -486,3 +486,120 @@ def test_cur_sketch_is_the_generators_gaussian_projection():
     np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=ATOL)
     other = policy.score(view, torch.Generator().manual_seed(12))[0].double().numpy()
     assert np.abs(other - expected).max() > 1e-3
+
+
+# --------------------------------------------------------------------------- Cap, LeverageScore
+# * Cap (CAPKV, arXiv:2604.25975): the anchor a = R̄·mean of the queries before RoPE after the n_sink sinks (R̄ the
+#   RoPE averaged over the future positions); w_i = exp(τ·(cos(a, k_i) − max_j cos(a, k_j))) over the non-sink
+#   post-RoPE keys; score w_i·v_iᵀ(I + Σ_j (w_j + ε) v_j v_jᵀ)⁻¹v_i, averaged over the query heads of each KV head;
+#   the sinks get the head's highest score.
+# * LeverageScore (Chari & Van Durme, 2025): the ridge leverage diag(X (XᵀX + λI)⁻¹ Xᵀ) of the keys before RoPE,
+#   centred over the sequence (and sketched: X·Φ, Φ the generator's Gaussian (d, r) / √r).
+
+
+def cap_reference(view, plain, tables, tau=5.0, n_sink=4, n_future=512, epsilon=1e-6):
+    """CAPKV's score, written out: (HK, N)."""
+    cos, sin = tables
+    rbar = np.mean([_rotation(cos[t], sin[t]) for t in range(N, N + n_future)], axis=0)
+    k, v = _states(view)
+    per_head = []
+    for h in range(HQ):
+        anchor = rbar @ plain[h, n_sink:].mean(0)
+        keys, values = k[h // (HQ // HK), n_sink:], v[h // (HQ // HK), n_sink:]
+        cosine = keys @ anchor / np.linalg.norm(keys, axis=-1) / np.linalg.norm(anchor)
+        weights = np.exp(tau * (cosine - cosine.max()))
+        capacity = np.eye(D) + sum((w + epsilon) * np.outer(vj, vj) for w, vj in zip(weights, values))
+        inverse = np.linalg.inv(capacity)
+        per_head.append(np.array([w * vj @ inverse @ vj for w, vj in zip(weights, values)]))
+    scores = _group_mean(np.stack(per_head))
+    return np.concatenate([np.repeat(scores.max(-1, keepdims=True), n_sink, axis=-1), scores], axis=-1)
+
+
+@pytest.mark.parametrize("rotary_dims", [D, D // 2])
+def test_cap_is_the_anchor_weighted_value_leverage(rotary_dims):
+    view, plain, tables = _scorer_view(rotary_dims)
+    np.testing.assert_allclose(_score("cap", view), cap_reference(view, plain, tables), rtol=RTOL, atol=ATOL)
+    options = dict(tau=2.0, n_sink=2, n_future_positions=64, epsilon=0.5)
+    scores = get_policy("cap", **options).score(view)[0].double().numpy()
+    np.testing.assert_allclose(scores, cap_reference(view, plain, tables, 2.0, 2, 64, 0.5), rtol=RTOL, atol=ATOL)
+    for other in (dict(options, tau=3.0), dict(options, n_sink=3), dict(options, n_future_positions=1),
+                  dict(options, epsilon=0.0)):  # each option changes the scores
+        assert np.abs(get_policy("cap", **other).score(view)[0].double().numpy() - scores).max() > 1e-5
+    assert get_policy("cap").needs_query_statistics and not get_policy("cap").needs_pre_rope_keys
+
+
+def test_cap_refuses_bad_options_and_missing_statistics():
+    for options, match in ((dict(n_sink=17), "n_sink=17"), (dict(n_future_positions=0), "n_future_positions=0"),
+                           (dict(tau=-1.0), "tau=-1.0"), (dict(epsilon=float("nan")), "epsilon=nan")):
+        with pytest.raises(ValueError, match=match):
+            get_policy("cap", **options)
+    with pytest.raises(ValueError, match="query statistics"):
+        _score("cap", _view())
+
+
+def _leverage_view(seed: int = 5) -> tuple[LayerView, np.ndarray]:
+    """The hand-built view with keys before RoPE (1, HK, N, D) of another draw, and those keys (HK, N, D)."""
+    view = _view()
+    pre_rope = torch.randn(1, HK, N, D, generator=torch.Generator().manual_seed(seed)) * 3 + 1
+    return LayerView(view.keys, view.values, view.window_queries, None, view.scale, view.sliding_window,
+                     pre_rope_keys=pre_rope), pre_rope[0].double().numpy()
+
+
+def leverage_reference(keys: np.ndarray, ridge: float, sketch: np.ndarray | None = None) -> np.ndarray:
+    """(HK, N): diag(X (XᵀX + ridge·I)⁻¹ Xᵀ), X the centred keys of each head (times its sketch (D, r))."""
+    out = []
+    for h in range(keys.shape[0]):
+        x = keys[h] - keys[h].mean(0)
+        x = x if sketch is None else x @ sketch[h]
+        inverse = np.linalg.inv(x.T @ x + ridge * np.eye(x.shape[1]))
+        out.append(np.array([row @ inverse @ row for row in x]))
+    return np.stack(out)
+
+
+def test_leverage_is_the_ridge_leverage_of_the_centred_keys_before_rope():
+    view, keys = _leverage_view()
+    exact = get_policy("leverage", sketch_dimension=None, ridge=1e-9).score(view)[0].double().numpy()
+    np.testing.assert_allclose(exact, leverage_reference(keys, 1e-9), rtol=1e-5, atol=1e-7)
+    # a projection's diagonal: each in [0, 1], summing to the rank of the centred keys (D < N)
+    np.testing.assert_allclose(exact.sum(-1), D, rtol=1e-5)
+    ridged = get_policy("leverage", sketch_dimension=None, ridge=50.0).score(view)[0].double().numpy()
+    np.testing.assert_allclose(ridged, leverage_reference(keys, 50.0), rtol=1e-5, atol=1e-7)
+    assert (ridged.sum(-1) < D - 0.5).all()  # the ridge shrinks them
+    # the sketch: one Gaussian (D, r) / √r per KV head, the generator's first draw
+    sketch = torch.randn(1, HK, D, 3, generator=torch.Generator().manual_seed(7))[0].double().numpy() / math.sqrt(3)
+    policy = get_policy("leverage", sketch_dimension=3)
+    sketched = policy.score(view, torch.Generator().manual_seed(7))[0].double().numpy()
+    np.testing.assert_allclose(sketched, leverage_reference(keys, 1e-2, sketch), rtol=1e-5, atol=1e-7)
+    assert np.abs(policy.score(view, torch.Generator().manual_seed(8))[0].double().numpy() - sketched).max() > 1e-3
+    # the keys before RoPE are read, not the cached keys
+    assert np.abs(leverage_reference(_states(view)[0], 1e-9) - exact).max() > 1e-3
+
+
+def test_leverage_refuses_bad_options_and_missing_keys():
+    for options, match in ((dict(sketch_dimension=0), "sketch_dimension=0"), (dict(ridge=0.0), "ridge=0.0")):
+        with pytest.raises(ValueError, match=match):
+            get_policy("leverage", **options)
+    with pytest.raises(ValueError, match="keys before RoPE"):
+        _score("leverage", _view())
+    assert get_policy("leverage").needs_pre_rope_keys
+    assert get_policy("criticalkv", base="leverage").needs_pre_rope_keys
+
+
+def test_pre_rope_keys_through_the_prefill(captured_prefill):
+    """On the tiny Gemma3 (a sliding and a full layer, their own RoPE bases): the keys the prefill keeps before RoPE,
+    rotated by the layer's rotary tables, are the keys the attention calls saw; not collected unless asked."""
+    from kvcert.query_statistics import rotary_tables
+
+    state, calls = captured_prefill
+    assert all(obs.pre_rope_keys is None for obs in state.observations)
+    _, model, _ = build("gemma3", seed=3, window=96)
+    ids = state.prefix_ids
+    with_keys = kvcert.prefill(model, ids, observation_window=16, pre_rope_keys=True)
+    tables = rotary_tables(model, ids.shape[-1])
+    for layer, _, k, _, _ in calls:
+        plain = with_keys.layer_views()[layer].pre_rope_keys[0].double()  # (hk, n, d)
+        cos, sin = (t.double() for t in tables[layer])
+        rotated = plain * cos + torch.cat([-plain[..., 8:], plain[..., :8]], -1) * sin
+        np.testing.assert_allclose(rotated.numpy(), k.numpy(), rtol=1e-4, atol=1e-5)
+        assert (plain - k).abs().max() > 1e-2  # RoPE was undone
+    assert all(torch.isfinite(s).all() for s in with_keys.scores("leverage"))

@@ -40,7 +40,7 @@ CASES = [
     ("budget-appended-key", RULER, ["+budget=0.5"], "budget: unknown key (did you mean budgets?)", False),
     ("budgets-scalar", RULER, ["budgets=0.5"], "budgets=0.5: expected a non-empty list", False),
     # names
-    ("policy-unknown", RULER, ["policies=[foo]"], "policies: 'foo' is unknown; known: ['criticalkv',", False),
+    ("policy-unknown", RULER, ["policies=[foo]"], "policies: 'foo' is unknown; known: ['cap',", False),
     ("policies-no-brackets", RULER, ["policies=snapkv"], "policies='snapkv': expected a non-empty list, e.g. 'policies=[snapkv]'", False),
     ("design-unknown", RULER, ["designs=[foo]"], "designs: 'foo' is unknown; known: ['poisson', 'topk']", False),
     ("setting-unknown", RULER, ["setting=foo"], "setting='foo' is unknown; known: ['question_aware', 'streaming']", False),

@@ -28,7 +28,8 @@ class Observation:
     query_statistics: the prefix queries' statistics before RoPE (``kvcert.query_statistics``), or None when
     not collected (the prefill gives it its rotary tables when asked to collect); output_projection:
     (hidden, q_heads·head_dim), the layer's output projection weight as the model holds it (a reference, no
-    copy), or None where the attention module has no ``o_proj``; scale and sliding_window: the layer's, as the
+    copy), or None where the attention module has no ``o_proj``; pre_rope_keys: (batch, kv_heads, n, head_dim)
+    float32 keys before RoPE, set after the prefill when asked for, else None; scale and sliding_window: the layer's, as the
     model's attention module passed them.
     """
 
@@ -38,6 +39,7 @@ class Observation:
     accumulated_attention: torch.Tensor | None = None
     query_statistics: QueryStatistics | None = None
     output_projection: torch.Tensor | None = field(default=None, repr=False)
+    pre_rope_keys: torch.Tensor | None = field(default=None, repr=False)
     scale: float | None = None
     sliding_window: int | None = None
 

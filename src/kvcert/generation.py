@@ -27,7 +27,7 @@ from .designs import DesignOptions, Selection, get_design
 from .estimator import certificate
 from .kernels import attention_path
 from .policies import LayerView, get_policy, prefill_needs
-from .query_statistics import FUTURE_POSITIONS, QueryStatistics, rotary_tables
+from .query_statistics import FUTURE_POSITIONS, QueryStatistics, rotary_tables, unrotate
 from .prompts import SETTINGS, build_prompt, check_setting, model_limit
 from .schema import STEP_COLUMNS
 from .targets import Target, calibrated_scales, check_target, targeted_selections
@@ -77,6 +77,7 @@ class Prefill:
                     sliding_window=obs.sliding_window,
                     query_statistics=obs.query_statistics,
                     output_projection=obs.output_projection,
+                    pre_rope_keys=obs.pre_rope_keys,
                 )
             )
         return views
@@ -99,6 +100,7 @@ def prefill(
     observation_window: int = RUN.observation_window,
     accumulate: bool = False,
     query_statistics: bool = False,
+    pre_rope_keys: bool = False,
     policy_options: dict | None = None,
 ) -> Prefill:
     """Run the model over ``prefix_ids`` (1, n) once, recording what the scoring policies need.
@@ -106,8 +108,9 @@ def prefill(
     observation_window: the last prompt tokens whose queries SnapKV and TOVA score with; accumulate: also
     collect each key's accumulated attention (needed by h2o and observed_attention; one more O(n²) pass);
     query_statistics: also collect the queries' mean and covariance before RoPE and the rotary tables after
-    the prefix (needed by expected_attention; O(n·d²) per layer); ``kvcert.policies.prefill_needs`` says
-    which a set of policies needs; policy_options: per
+    the prefix (needed by expected_attention and cap; O(n·d²) per layer); pre_rope_keys: also keep the keys
+    before RoPE, the prefix's keys un-rotated with the model's rotary tables (needed by leverage; one float32
+    copy of the keys); ``kvcert.policies.prefill_needs`` says which a set of policies needs; policy_options: per
     policy name, keyword options of that policy (e.g. ``{"snapkv": {"kernel_size": 7, "pooling": "max"}}``).
     """
     check_setting(setting)
@@ -120,16 +123,20 @@ def prefill(
     suffix_ids = (suffix_ids if suffix_ids is not None else prefix_ids[:, :0]).to(device)
     n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     ctx = AttentionContext.for_prefill(n_layers, observation_window=observation_window, accumulate=accumulate)
+    n = prefix_ids.shape[-1]
+    tables = rotary_tables(model, n + FUTURE_POSITIONS) if query_statistics or pre_rope_keys else None
     if query_statistics:
-        n = prefix_ids.shape[-1]
-        for obs, tables in zip(ctx.observations, rotary_tables(model, n + FUTURE_POSITIONS)):
-            obs.query_statistics = QueryStatistics(tables)
+        for obs, layer_tables in zip(ctx.observations, tables):
+            obs.query_statistics = QueryStatistics(layer_tables)
     # Only the last position's logits are needed; the full (n, vocab) matrix would dominate the prefill.
     with attach(model, ctx):  # bound, not passed as a keyword: some architectures do not forward keywords
         out = model(input_ids=prefix_ids, cache=ctx.cache, use_cache=True, logits_to_keep=1)
-    for obs in ctx.observations:
+    for i, (obs, layer) in enumerate(zip(ctx.observations, ctx.cache.layers)):
         if obs.query_statistics is not None:
-            obs.query_statistics.finish(prefix_ids.shape[-1])
+            obs.query_statistics.finish(n)
+        if pre_rope_keys:  # the prefill's cache holds every prefix key, in position order
+            cos, sin = tables[i]
+            obs.pre_rope_keys = unrotate(layer.keys, cos[:n], sin[:n]).float()
     return Prefill(ctx.cache, ctx.observations, prefix_ids, suffix_ids, out.logits[:, -1].float(), setting,
                    dict(policy_options or {}))
 

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             arrays[f"{name}_layer{module.layer_idx}"] = scores.double().numpy()
         arrays.update(seeded_cur_scores(module, keys, values, kwargs))
         arrays.update(lagkv_live_channel_scores(module, keys, values, kwargs))
+        arrays.update(cap_and_leverage_scores(module, keys, values, kwargs))
         return output
 
     handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
@@ -76,7 +77,7 @@ PYRAMIDKV = {"window_size": 64, "kernel_size": 5, "beta": 20}
 
 def allocator_hooks(model, arrays: dict) -> list:
     """Forward hooks on every attention module that record the allocators' kept counts in ``arrays``."""
-    from kvpress import AdaKVPress, PyramidKVPress
+    from kvpress import AdaKVPress, CriticalAdaKVPress, PyramidKVPress
 
     def hook(module, inputs, kwargs, output):
         keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
@@ -87,17 +88,27 @@ def allocator_hooks(model, arrays: dict) -> list:
             arrays[f"adakv_scores_layer{module.layer_idx}"] = adakv.press.score(
                 module, hidden, keys, values, None, kwargs).double().numpy()
             adakv.compress(module, hidden, keys, values, None, kwargs)
-            batch_index, head_index, _ = module.masked_key_indices
-            masked = torch.zeros(batch, kv_heads, dtype=torch.int64)
-            masked.index_put_((batch_index, head_index), torch.ones_like(head_index), accumulate=True)
-            module.masked_key_indices = None  # the next call of this layer must not mask
-            arrays[f"adakv_cr{ratio}_layer{module.layer_idx}"] = (n - masked).numpy()
+            arrays[f"adakv_cr{ratio}_layer{module.layer_idx}"] = masked_kept_counts(module, batch, kv_heads, n)
             pyramid = PyramidKVPress(compression_ratio=ratio, **PYRAMIDKV)
             kept_keys, _ = pyramid.compress(module, hidden, keys, values, None, kwargs)
             arrays[f"pyramidkv_cr{ratio}_layer{module.layer_idx}"] = np.full((batch, kv_heads), kept_keys.shape[2])
+            critical = CriticalAdaKVPress(SnapKVPress(compression_ratio=ratio, **ADAKV_INNER),
+                                          alpha_safeguard=ADAKV_ALPHA)
+            critical.compress(module, hidden, keys, values, None, kwargs)
+            arrays[f"criticaladakv_cr{ratio}_layer{module.layer_idx}"] = masked_kept_counts(module, batch, kv_heads, n)
         return output
 
     return [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+
+
+def masked_kept_counts(module, batch: int, kv_heads: int, n: int) -> np.ndarray:
+    """(batch, kv_heads) int64: the keys a head-wise press left unmasked (its module.masked_key_indices), which are
+    then cleared so that the next call of this layer does not mask."""
+    batch_index, head_index, _ = module.masked_key_indices
+    masked = torch.zeros(batch, kv_heads, dtype=torch.int64)
+    masked.index_put_((batch_index, head_index), torch.ones_like(head_index), accumulate=True)
+    module.masked_key_indices = None
+    return (n - masked).numpy()
 
 
 # --- ExpectedAttention, CriticalKV, ObservedAttention -------------------------------------------------------
@@ -221,6 +232,32 @@ def lagkv_live_channel_scores(module, keys, values, kwargs) -> dict[str, np.ndar
             scores[:, h, press.n_sink: end - press.lag_size] = spread.reshape(b, -1).double()
         out[f"{name}_live_layer{module.layer_idx}"] = scores.numpy()
     return out
+
+# ----------------------------------------------------------------------------------------------------------------
+# Cap and LeverageScore (tests/test_peers.py's block of that name). Arrays, each (batch, kv_heads, n): ``cap_layer{i}``
+# (CapPress() with its defaults; needs the rotary embedding expected_and_critical_presses attaches);
+# ``leverage_layer{i}`` (LeverageScorePress() with its defaults, its sketch drawn right after
+# ``torch.manual_seed(LEVERAGE_SEED + i)``); ``leverage_seed`` holds LEVERAGE_SEED.
+LEVERAGE_SEED = 4321
+
+
+def cap_and_leverage_scores(module, keys, values, kwargs) -> dict[str, np.ndarray]:
+    """CapPress's and (seeded) LeverageScorePress's scores of one layer."""
+    from kvpress import CapPress, LeverageScorePress
+
+    hidden, i = kwargs["hidden_states"], module.layer_idx
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # this torch's batched linalg.solve fails (lu_solve pivots) on Gemma 3's 256-dim values
+    try:  # when run on 2 threads; on one it solves
+        out = {f"cap_layer{i}": CapPress().score(module, hidden, keys, values, None, kwargs).double().numpy()}
+    finally:
+        torch.set_num_threads(threads)
+    torch.manual_seed(LEVERAGE_SEED + i)
+    leverage = LeverageScorePress().score(module, hidden, keys, values, None, kwargs)
+    out[f"leverage_layer{i}"] = leverage.double().numpy()
+    out["leverage_seed"] = np.asarray(LEVERAGE_SEED)
+    return out
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

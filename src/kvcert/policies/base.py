@@ -26,7 +26,9 @@ class LayerView:
     query_statistics: the prefix queries' mean and covariance before RoPE and the layer's rotary tables after
     the prefix (``kvcert.query_statistics.QueryStatistics``; ExpectedAttention), or None when not collected;
     output_projection: (hidden, q_heads·head_dim) the layer's output projection weight W_o (CriticalKV), or
-    None where the model has none by that name.
+    None where the model has none by that name; pre_rope_keys: (batch, kv_heads, n, head_dim) float32, the keys
+    before RoPE (the post-RoPE keys un-rotated with the model's rotary tables; LeverageScore), or None when not
+    collected.
     """
 
     keys: torch.Tensor
@@ -37,6 +39,7 @@ class LayerView:
     sliding_window: int | None = None
     query_statistics: QueryStatistics | None = None
     output_projection: torch.Tensor | None = None
+    pre_rope_keys: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -68,12 +71,13 @@ class LayerView:
 class Policy(Protocol):
     """A scoring policy: ``score(view) -> (batch, kv_heads, n)`` non-negative importance.
 
-    needs_accumulated_attention / needs_query_statistics: what the prefill must collect for it (each costs
-    the prefill a pass; collected only when a policy of the run asks)."""
+    needs_accumulated_attention / needs_query_statistics / needs_pre_rope_keys: what the prefill must collect
+    for it (each costs the prefill a pass or a copy; collected only when a policy of the run asks)."""
 
     name: str
     needs_accumulated_attention: bool
     needs_query_statistics: bool
+    needs_pre_rope_keys: bool
     certain_top_slice: bool  # False: the randomized design samples every non-sink, non-recent token
 
     def score(self, view: LayerView, generator: torch.Generator | None = None) -> torch.Tensor: ...
@@ -89,8 +93,9 @@ def register_policy(name: str):
         cls.name = name
         if not hasattr(cls, "certain_top_slice"):
             cls.certain_top_slice = True
-        if not hasattr(cls, "needs_query_statistics"):
-            cls.needs_query_statistics = False
+        for need in ("needs_query_statistics", "needs_pre_rope_keys"):
+            if not hasattr(cls, need):
+                setattr(cls, need, False)
         POLICIES[name] = cls
         return cls
 
@@ -99,11 +104,13 @@ def register_policy(name: str):
 
 def prefill_needs(names, policy_options: dict | None = None) -> dict[str, bool]:
     """What a prefill must collect for the policies ``names`` built with their ``policy_options`` ({name:
-    {option: value}}): the keywords ``accumulate`` and ``query_statistics`` of ``kvcert.prefill``."""
+    {option: value}}): the keywords ``accumulate``, ``query_statistics`` and ``pre_rope_keys`` of
+    ``kvcert.prefill``."""
     options = policy_options or {}
     policies = [get_policy(name, **options.get(name, {})) for name in names]
     return {"accumulate": any(p.needs_accumulated_attention for p in policies),
-            "query_statistics": any(p.needs_query_statistics for p in policies)}
+            "query_statistics": any(p.needs_query_statistics for p in policies),
+            "pre_rope_keys": any(p.needs_pre_rope_keys for p in policies)}
 
 
 # Old names: a config that still uses one gets a line saying what it is called now.

@@ -39,6 +39,10 @@ class CriticalKV:
         return self._base.needs_query_statistics
 
     @property
+    def needs_pre_rope_keys(self) -> bool:
+        return self._base.needs_pre_rope_keys
+
+    @property
     def certain_top_slice(self) -> bool:
         return self._base.certain_top_slice
 
