@@ -466,14 +466,17 @@ def test_paper_scale_plan_is_kvcert_plans_output():
     assert longest, "docs/cluster.md no longer states the longest shard job"
     for stated, device in zip(longest.groups(), ("H200-141GB", "A100-40GB")):
         assert abs(float(stated) - float(hours[device])) <= 0.05 + 1e-9, (device, stated, hours[device])
-    cells = {line.split()[0].split("/")[-1]: line.split() for line in printed.splitlines()
-             if re.match(r"^\S+/\S+\s+\d+\s", line)}
-    assert len(cells) == 18
-    assert all(fields[-3] == "yes" for fields in cells.values()), "a cell no longer fits 40 GB: say which"
+    every = {line.split()[0]: line.split() for line in printed.splitlines() if re.match(r"^\S+/\S+\s+\d+\s", line)}
+    cells = {name.split("/")[-1]: fields for name, fields in every.items() if name.startswith("paper/")}
+    board = {name.split("/")[-1]: fields for name, fields in every.items() if name.startswith("leaderboard/")}
+    assert len(cells) == 18 and len(board) == 4 and len(every) == 22
+    assert all(fields[-3] == "yes" for fields in every.values()), "a cell no longer fits 40 GB: say which"
     assert "Every cell fits a 40 GB GPU by the cost model" in prose
     totals = [cells[f"{m}-longbench16k-streaming"][-4] for m in ("llama8b", "mistral7b")]
     assert max(float(f[-4]) for f in cells.values()) == float(totals[0])
     assert f"Llama and Mistral, need {totals[0]} and {totals[1]} GB" in prose
+    largest = max(board, key=lambda name: float(board[name][-4]))
+    assert f"leaderboard's largest, {largest}, needs {board[largest][-4]} GB" in prose
 
 
 def test_every_kvcert_name_in_the_docs_exists():
