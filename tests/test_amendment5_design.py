@@ -185,7 +185,7 @@ def test_reuse_population_timing_power_design_on_the_draft(tmp_path, resize):
     source = root / "preregistration" / "amendment-4" / "population.yaml"
     assert population["models"] == yaml.safe_load(source.read_text())["models"]
     assert population["reused_sha256"] == prereg.sha256(source) == json.loads(
-        (root / "preregistration" / "amendment-4.lock").read_text())["files"][str(source.relative_to(root))]
+        (root / "preregistration" / "amendment-4.lock").read_text())["sha256"][str(source.relative_to(root))]
 
     # The timing cells: every cell of the smoke plan, 1 item each, two at a time.
     script = [sys.executable, str(SCRIPTS / "resize_design.py")]

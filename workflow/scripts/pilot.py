@@ -477,9 +477,12 @@ def reused_population(document: Path, pilot: dict) -> dict:
     if not isinstance(source, str) or not (root / source).is_file():
         raise SystemExit(f"{shown_path(document)}: pilot.population_from={source!r}: expected a repository-relative "
                          "population.yaml of an earlier amendment")
-    frozen = set(prereg.frozen_files(root))
-    if source not in frozen:  # reusing an unlocked population would let it change under the design
+    # Reusing an unlocked or changed population would let it differ from the one its lock recorded.
+    recorded = prereg.read_lock(root, prereg.latest(root))["sha256"].get(source)
+    if recorded is None:
         raise SystemExit(f"{shown_path(document)}: pilot.population_from={source}: no earlier lock freezes it")
+    if recorded != prereg.sha256(root / source):
+        raise SystemExit(f"{shown_path(document)}: pilot.population_from={source}: differs from the file its lock froze")
     found = yaml.safe_load((root / source).read_text())
     models = list(pilot.get("models") or found["models"])
     missing = [m for m in models if m not in found["models"]]
