@@ -201,6 +201,9 @@ def configuration_cells(population: dict, counts: dict[str, int], seeds: dict[st
     items (data seed and count), so the configurations pair per item across cells.
 
     A cell is named <kind>-<model>, then -<allocator> unless uniform, then -share<h> unless 0.5.
+    The analysis (kvcert.analysis.strata) tells configurations apart by the tables' allocator and head_fraction
+    columns, a missing one read as the default: a study of these cells needs a runner that writes head_fraction
+    (items and steps) and allocator (steps) for a cell off the default. The timing cells read times only.
     counts: items per cell *type* ("qa-smollm2", "oracle-smollm2", "streaming-smollm2"); seeds: data seeds by kind.
     """
     allocators = ALLOCATORS_5 if allocators is None else allocators
