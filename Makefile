@@ -139,9 +139,10 @@ sensitivity: install
 certified-budgets: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=certified-budgets
 
-## An amendment's pilot and design (make pilot-amendment AMENDMENT=N; default the newest): for an amendment whose
-## data names the staged pilot, stages A-D per model on pilot items, the rules applied (pilot.csv,
-## population.yaml), timing cells, power and design (timing.yaml, power.yaml, design.yaml), all under
+## An amendment's pilot and design (make pilot-amendment AMENDMENT=N; default the newest): its data names the
+## pilot method; `staged`: stages A-D per model on pilot items, the rules applied (pilot.csv, population.yaml);
+## `reuse_population`: a locked population copied (population.yaml); then timing cells, power and design
+## (timing.yaml, power.yaml, design.yaml), all under
 ## preregistration/amendment-N/. Only an amendment without a lock: a locked amendment's files are frozen, and the
 ## rules refuse it. Amendment 4's took 1 h 40 min on 2 cores shared with other jobs, the timing cells 2.5 minutes.
 .PHONY: pilot-amendment

@@ -16,6 +16,14 @@ full cache and Poisson at 25% at the chosen pair. The decisions between stages a
 (``stage_b_tasks``, ``choose_pair``, ``population``), the same functions ``choose`` applies to the finished rows,
 so the population written is the one the stages ran on. One CSV row per (stage, variant, configuration): the
 accuracy (mean over items of the mean over seeds), items and runs, whether curtailed, CPU seconds per item.
+
+Method ``reuse_population`` (amendment 5's; ``pilot.population_from``), no model and no stage: the population is
+a locked earlier amendment's, copied unchanged (its models restricted to ``pilot.models``) with a note of where
+it came from and the file's sha256; the amendment's only pilot computation is then its timing cells
+(resize_design.py time).
+
+    python workflow/scripts/pilot.py --method reuse_population --amendment preregistration/amendment-5/amendment.yaml \
+        --out preregistration/amendment-5/population.yaml
 """
 
 from __future__ import annotations
@@ -457,9 +465,49 @@ def staged_pilot(args, pilot: dict) -> None:
     pilot_staged(Runner(args.model, smoke_pilot(pilot) if args.smoke else pilot, args.threads), args.out)
 
 
+def reused_population(document: Path, pilot: dict) -> dict:
+    """The population of ``pilot.population_from`` (a repository-relative file that an earlier lock freezes), its
+    models restricted to ``pilot.models`` in that order; ``rules`` and ``deviations`` stay the source's (how it was
+    chosen), ``reused_from`` and ``reused_sha256`` say where it comes from. The source's ``items_seed`` (its own
+    pilot's items) is left out: the reusing amendment's pilot items are its own ``pilot.items_seed``."""
+    from kvcert.analysis import prereg
+
+    root = prereg.find_root(Path(document).resolve().parent)
+    source = pilot.get("population_from")
+    if not isinstance(source, str) or not (root / source).is_file():
+        raise SystemExit(f"{shown_path(document)}: pilot.population_from={source!r}: expected a repository-relative "
+                         "population.yaml of an earlier amendment")
+    # Reusing an unlocked or changed population would let it differ from the one its lock recorded.
+    recorded = prereg.read_lock(root, prereg.latest(root))["sha256"].get(source)
+    if recorded is None:
+        raise SystemExit(f"{shown_path(document)}: pilot.population_from={source}: no earlier lock freezes it")
+    if recorded != prereg.sha256(root / source):
+        raise SystemExit(f"{shown_path(document)}: pilot.population_from={source}: differs from the file its lock froze")
+    found = yaml.safe_load((root / source).read_text())
+    models = list(pilot.get("models") or found["models"])
+    missing = [m for m in models if m not in found["models"]]
+    if missing:
+        raise SystemExit(f"{shown_path(document)}: pilot.models: {', '.join(missing)} not in {source}")
+    return {"reused_from": source, "reused_sha256": prereg.sha256(root / source),
+            **{k: v for k, v in found.items() if k not in ("models", "items_seed")},
+            "models": {m: found["models"][m] for m in models}}
+
+
+def reuse_population(args, pilot: dict) -> None:
+    """Amendment 5's method: an earlier amendment's locked population, reused (no stage runs)."""
+    doc = reused_population(args.amendment, pilot)
+    write_text_atomic(yaml.safe_dump(doc, sort_keys=False, width=110), args.out)
+
+
 # The pilot methods, by the name a version's data gives (kvcert.analysis.prereg.Version.pilot): `threshold`
-# (amendment 2: variants in order until one passes a threshold) and `staged` (amendment 4: stages A-D).
-PILOTS = {"threshold": pilot_threshold, "staged": staged_pilot}
+# (amendment 2: variants in order until one passes a threshold), `staged` (amendment 4: stages A-D) and
+# `reuse_population` (amendment 5: a locked population, no stage).
+PILOTS = {"threshold": pilot_threshold, "staged": staged_pilot, "reuse_population": reuse_population}
+# How workflow/rules/design.smk obtains an amendment's population.yaml from each method: `per_model` runs the
+# method once per model (pilot-<model>.csv) and then `choose` (pilot.csv and population.yaml); `whole` writes
+# population.yaml in one step and no pilot rows. A method not named here (threshold: amendment 2 chose its
+# population by hand) is not run by the workflow.
+POPULATION_STEPS = {"staged": "per_model", "reuse_population": "whole"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -471,12 +519,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="the amendment's pilot method, as its data names it (preregistration/versions.yaml "
                              "or its amendment.yaml's pilot.method)")
     parser.add_argument("--amendment", type=Path, required=True)
-    parser.add_argument("--model", required=True, help="a bundled model name (smollm2, gemma3) or model spec")
+    parser.add_argument("--model", help="a bundled model name (smollm2, gemma3) or model spec (every method but "
+                        "reuse_population, which runs no model)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--round", type=int, default=1, help="threshold: 2 runs the variants of pilot.round_2")
     parser.add_argument("--smoke", action="store_true", help="staged: 2 items of one variant, bands open")
     args = parser.parse_args(argv)
+    if args.model is None and POPULATION_STEPS.get(args.method) != "whole":
+        parser.error(f"--method {args.method} needs --model")
     PILOTS[args.method](args, yaml.safe_load(args.amendment.read_text())["pilot"])
     return 0
 

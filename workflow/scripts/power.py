@@ -15,6 +15,16 @@ Method ``studies_span_targets`` (amendment 4's; ``version_1_span`` is the one ab
 largest per-item sd over every C1 and C2 component of every named study gives the question-aware items for a 4-point span, the same over C7's components the streaming items for C7; C6's
 items come from the largest k = width^2 / (1/n_inherent + 1/n_cache_induced) over the studies and the pilot's
 stage-D class rates (the amendment's power rule, stated there in words).
+
+Method ``per_component_span`` (amendment 5's; its power.rule states it in words): C2, the largest per-item sd over
+every C2 component of every named study, n_c2 = ceil((2 * 1.96 * sd_max / 4)^2) question-aware items per
+component; C3, the largest per-item sd of coverage and of Spearman over the studies, n_c3 the larger of their
+items for a 0.02 and a 0.05 span, with a floor of 8 oracle items per model; C6 and C7, the amendment's powered
+streaming items and C6's floor as the amended version's locked power.yaml and design.yaml state them; items split
+equally between the models (per model: ceil(n / models)).
+
+    python workflow/scripts/power.py --method per_component_span --amendment preregistration/amendment-5/amendment.yaml \
+        --studies v1=results/v1/claims ... v4-full=results/v4-full/claims --out preregistration/amendment-5/power.yaml
 """
 
 from __future__ import annotations
@@ -174,8 +184,83 @@ def studies_span_targets(args, parser) -> str:
     return yaml.safe_dump(doc, sort_keys=False, width=110)
 
 
+# --- amendment 5: a span per component, from every committed study's C2 and C3 intervals -------------------------
+
+# The rule's numbers, as amendment 5's power.rule states them in words.
+C2_SPAN_POINTS = 4.0
+C3_SPANS = {"coverage": 0.02, "spearman": 0.05}
+ORACLE_FLOOR_PER_MODEL = 8
+
+
+def c3_items(claims_dirs: dict[str, Path], spans: dict[str, float]) -> dict:
+    """Per C3 component (coverage, spearman): the largest per-item sd over the studies and the items for its span;
+    ``items`` is the larger of the two."""
+    out = {}
+    for name, span in spans.items():
+        sds = {}
+        for study, claims_dir in claims_dirs.items():
+            result = json.loads((claims_dir / "c3.json").read_text())
+            found = [(low, high) for n_, low, high in _components(result) if n_ == name]
+            if not found:
+                raise SystemExit(f"{claims_dir / 'c3.json'}: no component {name!r}")
+            sds[study] = round(sd_of(*found[0], int(result["n"])), 4)
+        binding = max(sds, key=sds.get)
+        out[name] = {"sd_per_item": sds, "sd_max": sds[binding], "sd_max_from": binding, "span": span,
+                     "items": math.ceil((2 * Z * sds[binding] / span) ** 2)}
+    return {**out, "items": max(v["items"] for v in out.values())}
+
+
+def amended_streaming(document: Path) -> dict:
+    """C6 and C7 as the amended version (``amends.version``) sized them: its locked power.yaml's streaming items
+    per model and its design.yaml's C6 floor (pooled streaming items)."""
+    from kvcert.analysis import prereg
+
+    doc = yaml.safe_load(Path(document).read_text())
+    root = prereg.find_root(Path(document).resolve().parent)
+    amended = prereg.version(int(doc["amends"]["version"]), root)
+    power = yaml.safe_load((root / amended.folder / "power.yaml").read_text())
+    design = yaml.safe_load((root / amended.folder / "design.yaml").read_text())
+    return {"from": [f"{amended.folder}/power.yaml", f"{amended.folder}/design.yaml"],
+            "streaming_items_per_model": int(power["per_model"]["streaming"]),
+            "streaming_items": int(power["streaming_items"]),
+            "c6_floor_items": int(design["c6_min_streaming_items"])}
+
+
+def per_component(claims_dirs: dict[str, Path], models: list[str], streaming: dict) -> dict:
+    """Amendment 5's power.yaml: n_c2, n_c3 and the amended version's streaming sizes, pooled and per model."""
+    c2 = items_for_span(claims_dirs, ("c2",), C2_SPAN_POINTS)
+    c3 = c3_items(claims_dirs, C3_SPANS)
+    per = len(models)
+    per_model = {"question_aware": math.ceil(c2["items"] / per),
+                 "oracle": max(ORACLE_FLOOR_PER_MODEL, math.ceil(c3["items"] / per)),
+                 "streaming": streaming["streaming_items_per_model"],
+                 "streaming_c6_floor": math.ceil(streaming["c6_floor_items"] / per)}
+    return {"formula": "sd = width * sqrt(n) / (2 * 1.96); n = ceil((2 * 1.96 * sd_max / span)^2); C2 span 4 points; "
+                       "C3 spans 0.02 (coverage) and 0.05 (spearman), at least 8 oracle items per model; per model "
+                       "ceil(n / models)",
+            "studies": {s: _pilot().shown_path(d) for s, d in claims_dirs.items()}, "models": models,
+            "c2": {**c2, "span": C2_SPAN_POINTS}, "c3": c3, "c6_c7": streaming,
+            "question_aware_items": per_model["question_aware"] * per, "oracle_items": per_model["oracle"] * per,
+            "streaming_items": per_model["streaming"] * per, "per_model": per_model}
+
+
+def per_component_span(args, parser) -> str:
+    """Amendment 5's method: every named study's C2 and C3 variances; C6 and C7 as the amended version sized them."""
+    if args.amendment is None or not args.studies:
+        parser.error("--method per_component_span needs --amendment and --studies")
+    doc = yaml.safe_load(args.amendment.read_text())
+    named = list(doc["power"].get("studies") or [])
+    studies = dict(item.split("=", 1) for item in args.studies)
+    if named and list(studies) != named:
+        parser.error(f"--studies {' '.join(studies)}: the amendment's power.studies are {' '.join(named)}")
+    out = per_component({s: Path(d) for s, d in studies.items()}, list(doc["pilot"]["models"]),
+                        amended_streaming(args.amendment))
+    return yaml.safe_dump(out, sort_keys=False, width=110)
+
+
 # The power methods, by the name a version's data gives (kvcert.analysis.prereg.Version.power).
-METHODS = {"version_1_span": version_1_span, "studies_span_targets": studies_span_targets}
+METHODS = {"version_1_span": version_1_span, "studies_span_targets": studies_span_targets,
+           "per_component_span": per_component_span}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,7 +102,7 @@ def planned_cells(population: dict, counts: dict[str, int], seeds: dict[str, int
     return out
 
 
-def time_cells(population: dict, out_dir: Path, n_items: int, seed: int, cores: int) -> Path:
+def time_cells(population: dict, out_dir: Path, n_items: int, seed: int, cores: int, plan=None) -> Path:
     """Run every planned cell on ``n_items`` pilot items (data seed ``seed``), ``cores`` cells at a time with one
     thread each, as `make reproduce` runs them; returns ``out_dir`` (one shard-0 per cell, read by ``measured``).
     Only the manifests' wall seconds are read; the answers are not."""
@@ -112,7 +112,7 @@ def time_cells(population: dict, out_dir: Path, n_items: int, seed: int, cores: 
     from concurrent.futures import ThreadPoolExecutor
 
     counts = {f"{kind}-{model}": n_items for model in population["models"] for kind in KINDS}
-    cells = planned_cells(population, counts, {kind: seed for kind in KINDS})
+    cells = (plan or planned_cells)(population, counts, {kind: seed for kind in KINDS})
     command = [str(Path(sys.executable).with_name("kvcert-run"))]
 
     def run(item):
@@ -170,6 +170,142 @@ def design(population: dict, power: dict, timing: dict[str, dict], budget_second
     return out
 
 
+# --- amendment 5: every scorer, allocator and certain-head share, one cell per (allocator, share) -----------------
+
+# Amendment 5's factors (changes.scorers, changes.allocators, changes.certain_head_share). The scorers are the rule's
+# result at this commit (the kvcert policies tests/test_peers.py compares with a kvpress press, needing no trained
+# weights); the amendment's pilot_results name them, and a policy the rule admits before the lock is added here.
+SCORERS_5 = ("snapkv", "tova", "knorm", "expected_attention", "criticalkv", "observed_attention", "keydiff", "lagkv",
+             "cur")
+# Allocator -> the scorers it runs over (AdaKV and PyramidKV over snapkv only: the amendment's cost argument).
+ALLOCATORS_5 = {"uniform": SCORERS_5, "adakv": ("snapkv",), "pyramidkv": ("snapkv",)}
+SHARES_5 = (0.5, 0.8, 0.95)
+DEFAULT_SHARE, DEFAULT_ALLOCATOR = 0.5, "uniform"  # kvcert.defaults' head_fraction and allocator
+
+
+def _pooling(scorer: str) -> bool:
+    """Whether a scorer pools its scores with a kernel (a ``kernel_size`` option): the population's K applies."""
+    import dataclasses as dc
+
+    from kvcert.policies import POLICIES
+
+    return "kernel_size" in {f.name for f in dc.fields(POLICIES[scorer])}
+
+
+def configuration_cells(population: dict, counts: dict[str, int], seeds: dict[str, int], *,
+                        scorers=SCORERS_5, allocators=None, shares=SHARES_5, poisson_seeds=(0, 1, 2)) -> dict[str, dict]:
+    """Scale-file cells of amendment 5's design. Per model: the question-aware and oracle cell types, each one
+    cell per (allocator, share) because a cell runs one allocator and one design_options.head_fraction; and the
+    streaming cell, amendment 4's. Top-k does not depend on the share: it runs in the share-0.5 cell only, the
+    reference of Poisson at every share. The oracle cells run Poisson only (C3). Every cell of a type has the same
+    items (data seed and count), so the configurations pair per item across cells.
+
+    A cell is named <kind>-<model>, then -<allocator> unless uniform, then -share<h> unless 0.5.
+    The analysis (kvcert.analysis.strata) tells configurations apart by the tables' allocator and head_fraction
+    columns, a missing one read as the default: a study of these cells needs a runner that writes head_fraction
+    (items and steps) and allocator (steps) for a cell off the default. The timing cells read times only.
+    counts: items per cell *type* ("qa-smollm2", "oracle-smollm2", "streaming-smollm2"); seeds: data seeds by kind.
+    """
+    allocators = ALLOCATORS_5 if allocators is None else allocators
+    seed_list = "[" + ",".join(map(str, poisson_seeds)) + "]"
+    out = {}
+    for model, chosen in population["models"].items():
+        window, kernel = chosen["window"], chosen["kernel"]
+        for kind in ("qa", "oracle"):
+            data = ["data=ruler", f"data.tasks={_flow(chosen['question_aware'])}", f"data.seed={seeds[kind]}",
+                    f"n_items={counts[f'{kind}-{model}']}"]
+            for allocator, over in allocators.items():
+                for share in shares:
+                    designs = ["poisson"] if kind == "oracle" or share != DEFAULT_SHARE else ["topk", "poisson"]
+                    pooled = {s: {"kernel_size": kernel} for s in over if _pooling(s)}
+                    name = (f"{kind}-{model}" + (f"-{allocator}" if allocator != DEFAULT_ALLOCATOR else "")
+                            + (f"-share{share:g}" if share != DEFAULT_SHARE else ""))
+                    out[name] = {"model": model, "kind": kind,
+                                 "shards": max(1, math.ceil(counts[f"{kind}-{model}"] / ITEMS_PER_SHARD)),
+                                 "overrides": [
+                                     *data, f"observation_window={window}",
+                                     *([f"policy_options={_flow(pooled)}"] if pooled else []),
+                                     f"policies={_flow(list(over))}", f"seeds={seed_list}",
+                                     *([f"allocator={allocator}"] if allocator != DEFAULT_ALLOCATOR else []),
+                                     *([f"design_options.head_fraction={share:g}"] if share != DEFAULT_SHARE else []),
+                                     "setting=question_aware", f"designs={_flow(designs)}", "budgets=[0.25,0.5]",
+                                     *(["oracle=true"] if kind == "oracle" else ["oracle=false", "store_steps=false"])]}
+        n = counts[f"streaming-{model}"]
+        out[f"streaming-{model}"] = {
+            "model": model, "kind": "streaming", "shards": max(1, math.ceil(n / ITEMS_PER_SHARD)),
+            "overrides": ["data=ruler", f"data.tasks={_flow(chosen['streaming'])}", f"data.seed={seeds['streaming']}",
+                          f"n_items={n}", f"observation_window={window}",
+                          f"policy_options={{snapkv:{{kernel_size:{kernel}}}}}", "policies=[snapkv]",
+                          f"seeds={seed_list}", "setting=streaming", "designs=[poisson]", "budgets=[0.25]",
+                          "oracle=false", "store_steps=false"]}
+    return out
+
+
+def smoke_configuration_cells(population: dict, counts: dict[str, int], seeds: dict[str, int]) -> dict[str, dict]:
+    """The code path of ``configuration_cells`` on almost nothing: two scorers, two allocators, the smallest and
+    largest share, one Poisson seed (proves every cell kind runs; its times size nothing)."""
+    return configuration_cells(population, counts, seeds, scorers=SCORERS_5[:2],
+                               allocators={"uniform": SCORERS_5[:2], "adakv": ("snapkv",)},
+                               shares=(SHARES_5[0], SHARES_5[-1]), poisson_seeds=(0,))
+
+
+def cell_type(name: str) -> str:
+    """The cell type of a configuration cell's name: "qa-smollm2-adakv-share0.8" -> "qa-smollm2"."""
+    return "-".join(name.split("-")[:2])
+
+
+def design_per_configuration(population: dict, power: dict, timing: dict[str, dict], budget_seconds: float,
+                             seeds: dict[str, int], *, prereg: int, plan=configuration_cells) -> dict:
+    """Amendment 5's power.budget: the powered design (power.yaml's items per model) and the 90-minute one. Kept
+    in order: the oracle cells at power's oracle items, the streaming cells at C6's floor, then every
+    question-aware cell scaled by one common factor f (``resize``, rounded down) to fill the budget. If the first
+    two alone do not fit, the oracle cells keep their items, the streaming cells are scaled with the question-aware
+    ones, and ``c6_floor_kept`` is false. A cell type's cost per item is the sum over its cells of their measured
+    medians (timing.yaml), since its cells all run the type's items."""
+    per_model = power["per_model"]
+    models = list(population["models"])
+    full = {}
+    for model in models:
+        full.update({f"qa-{model}": int(per_model["question_aware"]), f"oracle-{model}": int(per_model["oracle"]),
+                     f"streaming-{model}": int(per_model["streaming"])})
+    cells_of = {}
+    for name in plan(population, full, seeds):
+        cells_of.setdefault(cell_type(name), []).append(name)
+    missing = [c for names in cells_of.values() for c in names if c not in timing]
+    if missing:
+        raise SystemExit(f"timing.yaml: no measured time for cell(s) {', '.join(missing)}")
+    cost = {t: sum(float(timing[c]["per_item_median"]) for c in names) for t, names in cells_of.items()}
+    floor = {m: min(int(per_model["streaming_c6_floor"]), full[f"streaming-{m}"]) for m in models}
+    cells = {t: {"items": full[t], "seconds": full[t] * cost[t], "per_item_median": cost[t]} for t in full}
+    for m in models:
+        cells[f"streaming-{m}"] = {**cells[f"streaming-{m}"], "items": floor[m], "seconds": floor[m] * cost[f"streaming-{m}"]}
+    kept = sum(e["seconds"] for t, e in cells.items() if t.startswith(("oracle", "streaming")))
+    if kept < budget_seconds:
+        scaled = {**resize(cells, budget_seconds, keep=("oracle", "streaming")), "c6_floor_kept": True}
+    else:
+        for m in models:
+            cells[f"streaming-{m}"] = {**cells[f"streaming-{m}"], "items": full[f"streaming-{m}"],
+                                       "seconds": full[f"streaming-{m}"] * cost[f"streaming-{m}"]}
+        scaled = {**resize(cells, budget_seconds, keep=("oracle",)), "c6_floor_kept": False}
+    return {"cost_per_item": {t: round(c, 2) for t, c in sorted(cost.items())},
+            "powered": {"counts": full, "estimated_cell_seconds": round(sum(full[t] * cost[t] for t in full)),
+                        "study": {"prereg": prereg, "cells": plan(population, full, seeds)}},
+            "reproduce_90_minutes": {**scaled, "study": {"prereg": prereg,
+                                                         "cells": plan(population, scaled["counts"], seeds)}},
+            "fits": all(scaled["counts"][t] >= full[t] for t in full)}
+
+
+def amendment4_cells(population: dict, counts: dict[str, int], seeds: dict[str, int]) -> dict[str, dict]:
+    return planned_cells(population, counts, seeds)
+
+
+# The cell plan of an amendment's design, by its power method (kvcert.analysis.prereg.Version.power): amendment 4's
+# one cell per (kind, model), amendment 5's one cell per (kind, model, allocator, share). ``time`` runs each plan's
+# cells on the pilot items; ``design`` applies the matching rule to the measured times.
+PLANS = {"studies_span_targets": amendment4_cells, "per_component_span": configuration_cells}
+SMOKE_PLANS = {"per_component_span": smoke_configuration_cells}
+
+
 def main() -> None:
     import sys
 
@@ -205,12 +341,21 @@ def amendment4_main(command: str, argv: list[str]) -> None:
     parser.add_argument("--power", type=Path, help="design: power.yaml")
     parser.add_argument("--out", type=Path, help="design: design.yaml")
     parser.add_argument("--cores", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true",
+                        help="time and design: the plan's smoke version (amendment 5's: fewer scorers, allocators, "
+                             "shares and seeds)")
     args = parser.parse_args(argv)
     doc = yaml.safe_load(args.amendment.read_text())
     population = yaml.safe_load(args.population.read_text())
     timing = doc["power"]["timing"]
+    method = doc["power"].get("method", "studies_span_targets")
+    if method not in PLANS:
+        raise SystemExit(f"{args.amendment}: power.method={method!r}: no cell plan; known: {', '.join(sorted(PLANS))}")
     if command == "time":
-        time_cells(population, args.cells, int(timing["n_items"]), int(doc["pilot"]["items_seed"]), args.cores)
+        if args.smoke and method not in SMOKE_PLANS:
+            raise SystemExit(f"--smoke: power.method={method} has no smoke plan")
+        plan = SMOKE_PLANS[method] if args.smoke else PLANS[method]
+        time_cells(population, args.cells, int(timing["n_items"]), int(doc["pilot"]["items_seed"]), args.cores, plan)
         cells = measured(args.cells)
         text = yaml.safe_dump({"rule": "per item: median over a cell's shards of wall seconds / items (manifest.json)",
                                "inputs": {"cells": str(args.cells), "n_items": timing["n_items"],
@@ -220,6 +365,16 @@ def amendment4_main(command: str, argv: list[str]) -> None:
                                                 "per_item_median": round(e["per_item_median"], 2)}
                                             for c, e in cells.items()}}, sort_keys=False, width=110)
         write_text_atomic(text, args.timing)
+    elif method == "per_component_span":
+        power = yaml.safe_load(args.power.read_text())
+        measured_times = yaml.safe_load(args.timing.read_text())["measured"]
+        out = design_per_configuration(population, power, measured_times,
+                                       float(timing["budget_minutes"]) * 60 * int(timing.get("cores", args.cores)),
+                                       {k: int(v) for k, v in doc["power"]["items_seeds"].items()},
+                                       prereg=int(doc["version"]),
+                                       plan=SMOKE_PLANS[method] if args.smoke else PLANS[method])
+        text = yaml.safe_dump({"rule": f"amendment {doc['version']}'s power.budget", **out}, sort_keys=False, width=110)
+        write_text_atomic(text, args.out)
     else:
         power = yaml.safe_load(args.power.read_text())
         measured_times = yaml.safe_load(args.timing.read_text())["measured"]
