@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install peers model device-check device-carry device-check-standin test test-heldout test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity certified-budgets verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
+.PHONY: install peers model device-check device-carry device-check-standin test test-heldout test-long test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity certified-budgets verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
 	rehearse-paper plan
 
 $(STAMP): pyproject.toml
@@ -74,12 +74,17 @@ device-check-standin:
 ## The default test suite, including the smoke DAG end to end and the held-out calibration check (README's
 ## test command).
 test: install model peers
-	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm"
+	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm and not long"
 
 ## The calibrated certificate's held-out check alone (kvcert-calibrate on 20 prompts, kvcert-run on 20 others;
 ## 3 CPU-minutes, measured 8.5 minutes on 2 cores shared with other work; also part of `make test`).
 test-heldout: install model
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m heldout
+
+## The long end-to-end checks outside `make test`: amendment 5's reuse-population -> timing -> power -> design path
+## on both models at smoke size (about 25 minutes on 2 shared cores).
+test-long: install model
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m long
 
 ## Unit tests only (no SmolLM2, no DAG, nothing downloaded: the tests train their own tokenizers).
 test-fast: install

@@ -165,7 +165,7 @@ def _copy(root: Path) -> Path:
     return root
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.smollm2
 def test_reuse_population_timing_power_design_on_the_draft(tmp_path, resize):
     root = _copy(tmp_path / "repo")
