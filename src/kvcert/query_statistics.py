@@ -24,6 +24,16 @@ QUERY_HEAD = 16  # leading prefix queries kept one by one: a policy may leave ou
 FUTURE_POSITIONS = 4096  # positions after the prefix whose rotary tables are kept
 
 
+def check_statistics_options(n_future_positions, n_sink) -> None:
+    """The options of a policy reading these statistics (expected_attention, cap): one ValueError line each."""
+    if not isinstance(n_future_positions, int) or not 1 <= n_future_positions <= FUTURE_POSITIONS:
+        raise ValueError(f"n_future_positions={n_future_positions!r} must be an integer in "
+                         f"1..{FUTURE_POSITIONS} (the positions whose rotary tables the prefill keeps)")
+    if not isinstance(n_sink, int) or not 0 <= n_sink <= QUERY_HEAD:
+        raise ValueError(f"n_sink={n_sink!r} must be an integer in 0..{QUERY_HEAD} (the leading queries "
+                         "the prefill keeps one by one)")
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """(..., r) -> (..., r): [x1, x2] -> [-x2, x1], the pairing of transformers' RoPE."""
     half = x.shape[-1] // 2

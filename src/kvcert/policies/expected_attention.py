@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..query_statistics import QUERY_HEAD, FUTURE_POSITIONS
+from ..query_statistics import check_statistics_options
 from .base import LayerView, register_policy
 
 
@@ -31,12 +31,7 @@ class ExpectedAttention:
     needs_query_statistics = True
 
     def __post_init__(self):
-        if not isinstance(self.n_future_positions, int) or not 1 <= self.n_future_positions <= FUTURE_POSITIONS:
-            raise ValueError(f"n_future_positions={self.n_future_positions!r} must be an integer in "
-                             f"1..{FUTURE_POSITIONS} (the positions whose rotary tables the prefill keeps)")
-        if not isinstance(self.n_sink, int) or not 0 <= self.n_sink <= QUERY_HEAD:
-            raise ValueError(f"n_sink={self.n_sink!r} must be an integer in 0..{QUERY_HEAD} (the leading queries "
-                             "the prefill keeps one by one)")
+        check_statistics_options(self.n_future_positions, self.n_sink)
         if not isinstance(self.epsilon, (int, float)) or not 0 <= self.epsilon < float("inf"):
             raise ValueError(f"epsilon={self.epsilon!r} must be a finite number ≥ 0")
 
