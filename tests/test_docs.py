@@ -228,6 +228,17 @@ def test_grid_names_a_missing_column(tmp_path):
         render_script().grid(bad)
 
 
+def test_grid_shows_an_undefined_estimate_as_na():
+    """A smoke or rehearsal scale's claims.csv leaves an undefined estimate and interval empty (an empty class):
+    the grid shows n/a, as every scale's DAG renders its grid."""
+    grid = render_script().grid(ROOT / "results" / "smoke-reference" / "claims.csv")
+    with open(ROOT / "results" / "smoke-reference" / "claims.csv", newline="") as f:
+        empty = [r for r in csv.DictReader(f) if r["estimate"] == ""]
+    assert empty, "the smoke reference has no undefined estimate: this test shows nothing"
+    row = next(line for line in grid.splitlines() if line.startswith(f"| **{empty[0]['claim']}**"))
+    assert "n/a [n/a, n/a]<br>**inconclusive**" in row
+
+
 def test_render_rule_is_the_one_writer_of_the_pages():
     rules = "\n".join(text(p) for p in (ROOT / "workflow" / "rules").glob("*.smk"))
     assert rules.count("rule render_docs:") == 1 and rules.count('"../scripts/render_docs.py"') == 1

@@ -249,7 +249,9 @@ def grid(claims_csv):
     missing = sorted(GRID_COLUMNS - set(rows[0] if rows else ()))
     if not rows or missing:
         raise DocError(f"{claims_csv}: " + (f"missing column(s) {', '.join(missing)}" if rows else "no rows"))
-    fmt = lambda text: f"{float(text):.4g}"  # noqa: E731
+    # An undefined estimate or interval (an empty class, too few items: the verdict is then inconclusive) is
+    # written empty in claims.csv and shown as n/a.
+    fmt = lambda text: f"{float(text):.4g}" if str(text).strip() else "n/a"  # noqa: E731
     studies = list(dict.fromkeys(r["study"] for r in rows))
     claims = sorted(dict.fromkeys(r["claim"] for r in rows), key=lambda c: int(c.lstrip("c")))
     by_key = {(r["study"], r["claim"]): r for r in rows}
