@@ -32,10 +32,6 @@ from kvcert.scales import load_scale, override_value, studies, study_cells  # no
 
 CLAIMS = [f"c{i}" for i in range(1, 8)]
 LOCAL_RULES = {"fetch_model", "fetch_longbench", "verify_preregistration"}
-POST_RULES = {"claim", "accuracy", "aggregate", "calibration_by_layer", "notebook_claims", "notebook_certificates",
-              "publish_notebook"}
-
-
 class Checks:
     def __init__(self):
         self.failed: list[str] = []
@@ -116,7 +112,8 @@ def check_submissions(c: Checks, log: str, profile: dict, scale: dict, cells: di
                     f"{math.ceil(n / max(parallel, 1)) * per_time}")
             seen_cells.extend(w for _, w in s["targets"])
         else:
-            c.check(rules <= POST_RULES, f"submission of {name}: not a rule the profile groups")
+            post_rules = {rule for rule, group in profile["groups"].items() if group == profile["groups"]["claim"]}
+            c.check(rules <= post_rules, f"submission of {name}: not a rule the profile groups")
             c.check(s.get("-p") == partition, f"submission of {name}: partition {s.get('-p')!r}, expected {partition!r}")
             c.check("--gpus" not in s, f"submission of {name} asks for GPUs")
             wanted = max(int(_eval_profile_value((set_res.get(r) or {}).get("mem_mb", 0)) or 0) for r in rules)
