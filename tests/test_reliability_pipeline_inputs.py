@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvcert.analysis import cli, synthetic
+from kvcert.scales import scale_names
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -134,7 +135,7 @@ CLAIM_CASES = [
     ("figure-dir-under-a-file", ["claim=c3", QA, "figure_dir={w}/a_file/figs"], "figure_dir={w}/a_file/figs: {w}/a_file is not a directory"),
     ("prereg-edited", ["claim=c1", QA, "prereg_root={w}/edited"], "preregistration/claims.yaml changed since the lock"),
     ("prereg-unlocked", ["claim=c1", QA, "prereg_root={w}/unlocked"], "preregistration/prereg.lock is missing"),
-    ("prereg-root-missing", ["claim=c1", QA, "prereg_root={w}/nowhere"], "preregistration/prereg.lock is missing"),
+    ("prereg-root-missing", ["claim=c1", QA, "prereg_root={w}/nowhere"], "preregistration/versions.yaml is missing"),
     ("bad-interpolation", ["claim=c3", QA, "out=${{nothing}}.json"], "nothing"),
 ]
 
@@ -194,7 +195,7 @@ def snakemake(repo: Path, *args, timeout=600):
 
 
 DAG_CASES = [
-    ("scale-unknown", ["--config", "scale=huge"], "kvcert workflow: error: --config scale=huge: unknown scale; known: default, paper, rehearse, sensitivity, smoke, v1, v2, v2-full"),
+    ("scale-unknown", ["--config", "scale=huge"], "kvcert workflow: error: --config scale=huge: unknown scale; known: " + ", ".join(scale_names(ROOT / "workflow" / "scales"))),
     ("config-key-typo", ["--config", "scal=smoke"], "kvcert workflow: error: --config scal=...: unknown key (did you mean scale?)"),
     ("config-key-unknown", ["--config", "scale=smoke", "cores=4"], "kvcert workflow: error: --config cores=...: unknown key"),
 ]

@@ -124,6 +124,8 @@ def versions(root: str | Path) -> dict[int, Version]:
     document's ``analysis`` mapping replaces the choices it names)."""
     root = Path(root)
     entries = _entries(root)
+    if not (root / INDEX_FILE).is_file():
+        raise AnalysisError(f"{INDEX_FILE} is missing (under prereg_root {root})")
     if 1 not in entries:
         raise AnalysisError(f"{INDEX_FILE}: version 1 (claims.yaml) is not described")
     out: dict[int, Version] = {}
