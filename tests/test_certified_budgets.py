@@ -45,13 +45,15 @@ def cells(tmp_path):
     target.mkdir(parents=True)
     fixed.mkdir(parents=True)
     pd.DataFrame([item("a", "full", "full", 1.0, True, 100), item("b", "full", "full", 1.0, True, 100),
-                  item("a", "snapkv", "poisson", 0.5, True, 20), item("b", "snapkv", "poisson", 0.5, False, 40)]
+                  item("a", "snapkv", "poisson", 0.5, True, 20), item("b", "snapkv", "poisson", 0.5, False, 40),
+                  item("a", "snapkv", "clt", 0.5, False, 100), item("b", "snapkv", "clt", 0.5, False, 100)]
                  ).to_parquet(target / "items.parquet")
     # layer 0 (‖ô‖ = 1), e = 0.05, 0.095, 0.2, 0.01: e/‖o‖ lies in [e/1.05, e/0.95], [e/1.095, e/0.905], ...
     #   certainly <= 0.1: 0.05 (<= 0.0527), 0.01 -> 2/4; possibly: also 0.095 (>= 0.0868) -> 3/4; e/‖ô‖: 3/4
     # layer 1: e = 0, 0.3, 2.0 (e > ‖ô‖: unbounded above) -> 1/3 in every form
-    pd.concat([steps("a", "poisson", 0.5, 0, [0.05, 0.095, 0.2, 0.01]), steps("a", "poisson", 0.5, 1, [0.0, 0.3, 2.0])],
-              ignore_index=True).to_parquet(target / "steps.parquet")
+    # the same cell's clt rows (the decode-time sampler keeps the whole cache): layer 0, e = 0.5, 0.01
+    pd.concat([steps("a", "poisson", 0.5, 0, [0.05, 0.095, 0.2, 0.01]), steps("a", "poisson", 0.5, 1, [0.0, 0.3, 2.0]),
+               steps("a", "clt", 0.5, 0, [0.5, 0.01])], ignore_index=True).to_parquet(target / "steps.parquet")
     pd.DataFrame([{"item_id": "a", "policy": "snapkv", "design": "poisson", "budget": 0.5, **KEYS, "layer": layer,
                    "kv_head": 0, "expected_count": count, "cap_count": 50, "context_tokens": 100, "retained": count,
                    "predicted_rel_cert": cert, "met": met}
@@ -69,7 +71,9 @@ def test_tables_match_a_hand_computation(script, cells, tmp_path):
     out = tmp_path / "out"
     script.main(cells, [0.1, 0.05], 0.05, out, tmp_path / "fig.png", tmp_path / "fig.pdf")
     summary = pd.read_csv(out / "summary.csv").set_index("configuration")
-    assert list(summary.index) == ["full", "target 0.1", "fixed topk 0.25"]  # the full cache once per model
+    assert list(summary.index) == ["full", "target 0.1", "clt 0.1", "fixed topk 0.25"]  # the full cache once per model
+    assert summary.loc["clt 0.1", ["accuracy", "kept_fraction", "coverage_stored_0.1"]].tolist() == \
+        pytest.approx([0.0, 1.0, 0.5])
     assert summary.loc["target 0.1", "accuracy"] == pytest.approx(50.0)
     assert summary.loc["target 0.1", "kept_fraction"] == pytest.approx(0.3)  # (20 + 40) / 2 / 100
     # no kept_bytes column and cache_bytes padded: full_bytes · retained / context
@@ -82,10 +86,12 @@ def test_tables_match_a_hand_computation(script, cells, tmp_path):
     assert target.loc[0, ["coverage_low", "coverage_high", "coverage_stored"]].tolist() == pytest.approx([0.5, 0.75, 0.75])
     assert target.loc[1, ["coverage_low", "coverage_high", "coverage_stored"]].tolist() == pytest.approx([1 / 3] * 3)
     assert target["level"].tolist() == pytest.approx([0.95, 0.95])
+    assert layers[layers["configuration"] == "clt 0.1"]["epsilon"].tolist() == [0.1]  # at its own ε, as a target
     fixed = layers[layers["configuration"] == "fixed topk 0.25"]
     assert sorted(fixed["epsilon"]) == [0.05, 0.1]  # a fixed budget is measured at every study ε
 
     gap = pd.read_csv(out / "targets.csv")
+    assert set(gap["configuration"]) == {"target 0.1"}  # clt chooses nothing at prefill: no prediction to check
     overall = gap[gap["layer"] == "all"].iloc[0]
     assert overall["heads_met"] == pytest.approx(0.5)
     assert overall["expected_fraction"] == pytest.approx(0.35)  # (20 + 50) / 2 / 100

@@ -18,6 +18,9 @@ Query heads are grouped by KV head (GQA) without repeating keys: queries (batch,
 * ``certified_attention``: the same estimate computed in float32 with its variance, in the same call (the
   compiled kernel, the Triton one, or ``kvcert.estimator.hajek_with_variance``), handed per query row to the
   decoding's ``CertificateRecorder`` (docs/METHOD.md §4).
+
+In both compressed modes the batch rows of a decode-time sampler (design ``clt``: every slot kept) get the
+sampler's estimate instead (``_sampled_rows``), before the recorder sees them.
 """
 
 from __future__ import annotations
@@ -168,10 +171,38 @@ def full_cache_attention(layer: CompressedLayer, query, key, value, scale: float
     return _sdpa(query, grouped_q, key, value, grouped_bias, scale)
 
 
-def compressed_attention(layer: CompressedLayer, query, key, value, scale: float, sliding: int | None):
-    """A compressed layer without certificate: the Hájek offset −log π as an additive bias, (b, hq, m, d)."""
-    grouped_q, _, grouped_bias = _grouped(layer, query, sliding, offset=True)
-    return _sdpa(query, grouped_q, key, value, grouped_bias, scale)
+def compressed_attention(layer: CompressedLayer, query, key, value, scale: float, sliding: int | None,
+                         ctx: AttentionContext | None = None, layer_idx: int | None = None):
+    """A compressed layer without certificate: the Hájek offset −log π as an additive bias, (b, hq, m, d); the
+    rows of ``ctx``'s decode-time samplers get their sample's estimate."""
+    grouped_q, q_pos, grouped_bias = _grouped(layer, query, sliding, offset=True)
+    if ctx is None or not ctx.samplers:
+        return _sdpa(query, grouped_q, key, value, grouped_bias, scale)
+    mask = grouped_bias.to(query.dtype) if grouped_bias is not None else None
+    out = F.scaled_dot_product_attention(grouped_q, key, value, attn_mask=mask, scale=scale)
+    out = _sampled_rows(ctx, layer_idx, layer, grouped_q, q_pos, out, scale, sliding)
+    return out.to(query.dtype).reshape(*query.shape[:-1], -1)
+
+
+def _sampled_rows(ctx: AttentionContext, layer_idx: int, layer: CompressedLayer, grouped_q: torch.Tensor,
+                  q_pos: torch.Tensor, out: torch.Tensor, scale: float, sliding: int | None) -> torch.Tensor:
+    """``out`` (b, kv_heads, group·m, dv) with each sampled row's output replaced by its sampler's estimate.
+
+    grouped_q: (b, kv_heads, group·m, d); q_pos: (b, kv_heads, m), the query positions (a grouped row g·m + t is
+    query position t). Returns a new tensor when some row is sampled, else ``out``.
+    """
+    if not ctx.samplers:
+        return out
+    out = out.clone()
+    group = grouped_q.shape[2] // q_pos.shape[-1]
+    for row, samplers in ctx.samplers.items():
+        rows_pos = q_pos[row].repeat(1, group)  # (kv_heads, group·m)
+        allowed = _allowed(layer.positions[row], rows_pos, sliding)  # (kv_heads, group·m, slots)
+        allowed &= torch.isfinite(layer.log_pi[row]).unsqueeze(1)
+        estimate = samplers[layer_idx].attend(grouped_q[row], layer.keys[row], layer.values[row], layer.positions[row],
+                                              allowed, rows_pos, scale)
+        out[row] = estimate.to(out.dtype)
+    return out
 
 
 def _oracle_attention(grouped_q, layer: CompressedLayer, prefix_layer: CompressedLayer, q_pos, sliding, scale: float,
@@ -237,6 +268,9 @@ def certified_attention(ctx: AttentionContext, layer_idx: int, query, key, value
         # per coordinate even without the oracle: the recorder sums the coordinates with the group's heads
         out, var, terms = hajek_with_variance(flat(grouped_q), flat(key), flat(value), flat(grouped_bias), scale,
                                               flat(tail_one_minus_pi), per_coordinate=True, check_empty=False)
+    if ctx.samplers:  # design clt's rows: the decode-time sample's estimate (the recorder measures its error)
+        out = _sampled_rows(ctx, layer_idx, layer, grouped_q, q_pos, out.reshape(b, hk, *out.shape[-2:]), scale,
+                            sliding)
     recorder.add(layer_idx, layer.length, shape, out, var, terms, full_out)
     return out.to(query.dtype).reshape(b, hq, m, -1)
 
@@ -279,7 +313,7 @@ def kvcert_attention(
     elif not layer.compressed:
         out = full_cache_attention(layer, query, key, value, scale, sliding)
     elif ctx.recorder is None:
-        out = compressed_attention(layer, query, key, value, scale, sliding)
+        out = compressed_attention(layer, query, key, value, scale, sliding, ctx, module.layer_idx)
     else:
         out = certified_attention(ctx, module.layer_idx, query, key, value, scale, sliding)
     return out.transpose(1, 2).contiguous(), None

@@ -17,6 +17,7 @@ import torch
 from .cache import CompressedCache
 from .certificates import CertificateRecorder
 from .estimator import one_minus_pi
+from .peer_sampling import DecodeSampler
 from .query_statistics import QueryStatistics
 
 
@@ -54,6 +55,7 @@ class AttentionContext:
     observations: list[Observation] | None = None
     recorder: CertificateRecorder | None = None
     oracle: CompressedCache | None = field(default=None, repr=False)
+    samplers: dict[int, list[DecodeSampler]] = field(default_factory=dict, repr=False)
     _tails: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def tail_one_minus_pi(self, layer_idx: int) -> torch.Tensor:

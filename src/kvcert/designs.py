@@ -2,13 +2,15 @@
 
 ``topk`` keeps the sinks, the recent window and the top of the score ranking (deterministic eviction).
 ``poisson`` keeps a certainty head with π = 1 and Poisson-samples the tail with known π; the retained
-tokens carry log π so that attention can apply the Hájek offset −log π. How many slots each KV head keeps
+tokens carry log π so that attention can apply the Hájek offset −log π. ``clt`` is the peers' baseline: it
+keeps every slot and samples at decode time (``kvcert.peer_sampling``), so it needs a target (ε, δ). How many slots each KV head keeps
 is an allocator's ``LayerBudget`` (kvcert.allocators; by default ``retained_count(budget, n)`` per head); a
 pooled budget is ranked (top-k) or sampled (Poisson, Σπ = kv_heads · count) across the layer's KV heads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -16,6 +18,7 @@ import torch
 
 from .defaults import DesignOptions  # the run schema's design_options, defined there once
 from .estimator import sampled_slots
+from .peer_sampling import CLTOptions, DecodeSampler
 from .sampling import certain_mask, inclusion_probabilities, poisson_sample, retained_count
 
 if TYPE_CHECKING:  # designs read an allocation's fields only: kvcert.allocators sits beside them, not below
@@ -32,6 +35,7 @@ class Selection:
 
     index: torch.Tensor
     log_pi: torch.Tensor
+    sampler: DecodeSampler | None = None  # design clt: the decode-time sampler of this layer (every slot kept)
 
     @property
     def retained(self) -> torch.Tensor:
@@ -124,7 +128,32 @@ def poisson_design(scores: torch.Tensor, budget: float, options: DesignOptions, 
     return _pack(keep, torch.log(pi))
 
 
-DESIGNS: dict[str, Callable[..., Selection]] = {"topk": topk_design, "poisson": poisson_design}
+def clt_design(scores: torch.Tensor, budget: float, options: DesignOptions, generator=None, certain_top_slice=True,
+               allocation: LayerBudget | None = None, *, sampler_options: CLTOptions | None = None) -> Selection:
+    """Keep every slot (π = 1) and estimate attention at decode time with a CLT-sized importance sample drawn anew
+    for each query (vAttention, arXiv 2510.05688; ``kvcert.peer_sampling``): the peers' baseline, which frees no
+    memory. scores: (1, kv_heads, n), the proposal; sampler_options: the target (ε, δ) and the sampler's knobs (its
+    ``max_fraction`` caps the draws per query at that share of n; None: the budget's share)."""
+    if sampler_options is None:
+        raise ValueError("design='clt' samples at decode time against a target: give target_error (and target_delta)")
+    if allocation is not None and allocation.pooled:
+        raise ValueError("design='clt' keeps every slot: an allocator has nothing to allocate")
+    if scores.shape[0] != 1:
+        raise ValueError(f"design='clt': scores {tuple(scores.shape)} must be one prompt's (1, kv_heads, n)")
+    n = scores.shape[-1]
+    if sampler_options.max_fraction is None:
+        sampler_options = dataclasses.replace(sampler_options, max_fraction=budget)
+    index = torch.arange(n, device=scores.device).expand(scores.shape).contiguous()
+    sampler = DecodeSampler(sampler_options, scores[0].detach().float(),
+                            generator if generator is not None else torch.Generator().manual_seed(0), n)
+    return Selection(index=index, log_pi=torch.zeros(scores.shape, dtype=torch.float32, device=scores.device),
+                     sampler=sampler)
+
+
+DESIGNS: dict[str, Callable[..., Selection]] = {"topk": topk_design, "poisson": poisson_design, "clt": clt_design}
+# Designs that draw at random (run once per seed) and those whose selection needs a target.
+RANDOM_DESIGNS = ("poisson", "clt")
+TARGET_DESIGNS = ("poisson", "clt")
 
 
 def get_design(name: str) -> Callable[..., Selection]:

@@ -23,12 +23,13 @@ from .allocators import LayerBudget, get_allocator
 from .cache import CompressedCache
 from .certificates import CertificateRecorder
 from .context import AttentionContext, Observation
-from .designs import DesignOptions, Selection, get_design
+from .designs import DesignOptions, Selection, clt_design, get_design
 from .estimator import certificate
 from .kernels import attention_path
+from .peer_sampling import CLTOptions
 from .policies import LayerView, get_policy, prefill_needs
 from .query_statistics import FUTURE_POSITIONS, QueryStatistics, rotary_tables, unrotate
-from .prompts import SETTINGS, build_prompt, check_setting, model_limit
+from .prompts import build_prompt, check_setting, model_limit
 from .schema import STEP_COLUMNS
 from .targets import Target, calibrated_scales, check_target, targeted_selections
 
@@ -323,8 +324,11 @@ class Decoding:
             keys = state.cache.layers[0].keys
             self.recorder = CertificateRecorder(max(layer.length for layer in self.cache.layers), oracle=oracle,
                                                 path=attention_path(keys.dtype, keys.device))
+        # design clt's rows: every slot kept, attention estimated by a fresh sample at each query
+        samplers = {r: [sel.sampler for sel in c] for r, c in enumerate(configurations)
+                    if c is not None and c and c[0].sampler is not None}
         self.context = AttentionContext(self.cache, recorder=self.recorder,
-                                        oracle=state.cache if oracle and any_compressed else None)
+                                        oracle=state.cache if oracle and any_compressed else None, samplers=samplers)
         self.randomized = randomized if randomized is not None else [
             c is not None and any(sel.has_tail for sel in c) for c in configurations
         ]
@@ -453,6 +457,8 @@ def configuration_selections(
     if configuration.is_full:
         return None, None
     seed = configuration.seed if item_id is None else item_seed(configuration.seed, item_id)
+    if configuration.design == "clt":
+        return clt_selections(state, configuration.policy, configuration.budget, seed, options, target), None
     if target is None:
         return select(state, configuration.policy, configuration.design, configuration.budget, seed, options,
                       allocator, allocator_options), None
@@ -461,6 +467,21 @@ def configuration_selections(
         n_layers=len(state.cache.layers))
     return targeted_selections(state.layer_views(), state.scores(configuration.policy), target, configuration.budget,
                                options, seed, get_policy(configuration.policy).certain_top_slice, scales)
+
+
+def clt_selections(state: Prefill, policy: str, budget: float, seed: int, options: DesignOptions,
+                   target: Target | None) -> list[Selection]:
+    """Design clt's per-layer selections: every slot kept, each layer's decode-time sampler drawing from the
+    policy's scores against ``target`` (ε, δ), the sinks and recent window of ``options`` kept exactly, the draws
+    per query capped at the context's token count (past it, attending to every token costs less than sampling;
+    the budget does not apply: nothing is evicted); one generator seeded by ``seed`` for the row's layers."""
+    if target is None:
+        raise ValueError("design='clt' samples at decode time against a target: give target_error (and target_delta)")
+    sampler_options = CLTOptions(epsilon=target.error, delta=target.delta, n_sink=options.n_sink,
+                                 n_recent=options.n_recent, max_fraction=1.0)
+    generator = torch.Generator().manual_seed(int(seed))
+    return [clt_design(scores, budget, options, generator, sampler_options=sampler_options)
+            for scores in state.scores(policy)]
 
 
 def decode_configurations(

@@ -3,7 +3,9 @@ against fixed budgets and budget allocators, on the cells of an exploratory stud
 ``certified_budgets`` (workflow/scales/certified-budgets.yaml). Descriptive numbers, never a pre-registered test.
 
 A configuration is one (cell variant, design, budget) of one model: ``fixed topk 0.25``, ``adakv poisson 0.5``,
-``target 0.1`` (a target cell: design poisson, the budget its cap), and ``full`` (the full cache). Tables, under
+``target 0.1`` (a target cell's design poisson, the budget its cap), ``clt 0.1`` (the same cell's design clt: the
+peers' decode-time CLT-sized sampler at the same ε and δ; it keeps the whole cache),
+and ``full`` (the full cache). Tables, under
 the study's folder:
 
 * ``summary.csv``, per model and configuration: accuracy (%, items' ``correct``), kept fraction (mean of
@@ -66,6 +68,8 @@ def error_bounds(true_err: np.ndarray, out_norm: np.ndarray) -> tuple[np.ndarray
 def configuration_name(variant: str, design: str, budget: float, target_error) -> str:
     if design == "full":
         return "full"
+    if design == "clt":
+        return f"clt {target_error:g}"
     if pd.notna(target_error):
         return f"target {target_error:g}"
     return f"{variant.split('_')[0] if variant.startswith('target') else variant} {design} {budget:g}"
@@ -207,14 +211,14 @@ def figure(summary: pd.DataFrame, epsilons: list[float], png: Path, pdf: Path) -
     percentile (e/‖ô‖) on y; the targets marked with stars, the study's ε as dashed lines."""
     models = list(dict.fromkeys(summary["model"]))
     fig, axes = plt.subplots(2, len(models), figsize=(4.6 * len(models), 6.4), squeeze=False, sharex="col")
-    markers = {"topk": "s", "poisson": "o"}
+    markers = {"topk": "s", "poisson": "o", "clt": "X"}
     for col, model in enumerate(models):
         m = summary[summary["model"] == model]
         full = m[m["configuration"] == "full"]
         if len(full):
             axes[0, col].axhline(float(full["accuracy"].iloc[0]), color="black", lw=0.7, ls=":", label="full cache")
         for _, r in m[m["configuration"] != "full"].iterrows():
-            is_target = pd.notna(r["target_error"])
+            is_target = pd.notna(r["target_error"]) and r["design"] == "poisson"
             style = dict(marker="*" if is_target else markers.get(r["design"], "o"), ms=11 if is_target else 6,
                          ls="none", label=r["configuration"])
             axes[0, col].plot(r["kept_bytes_fraction"], r["accuracy"], **style)
@@ -227,7 +231,8 @@ def figure(summary: pd.DataFrame, epsilons: list[float], png: Path, pdf: Path) -
         axes[0, col].legend(fontsize=6, ncol=2)
     axes[0, 0].set_ylabel("accuracy (%)")
     axes[1, 0].set_ylabel("95th pct of ||o_hat - o|| / ||o_hat||")
-    fig.suptitle("Exploratory: certified budgets (targets as stars; dashed: the target errors)")
+    fig.suptitle("Exploratory: certified budgets (targets as stars, the CLT sampler as crosses; dashed: the target "
+                 "errors)")
     fig.tight_layout()
     save_figure(fig, png, pdf)
 

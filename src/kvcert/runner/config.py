@@ -13,7 +13,7 @@ from .. import defaults as schema
 from ..allocators import ALLOCATORS
 from ..calibration import BASES, UNITS, load_calibration
 from ..data import SHARD_BY
-from ..designs import DESIGNS
+from ..designs import DESIGNS, RANDOM_DESIGNS
 from ..errors import ConfigError
 from ..generation import FULL, Configuration  # a cell's configurations are the library's
 from ..policies import POLICIES
@@ -76,7 +76,7 @@ class Grid:
         out = []
         for policy in self.policies:
             for design in self.designs:
-                seeds = self.seeds if design == "poisson" else (0,)
+                seeds = self.seeds if design in RANDOM_DESIGNS else (0,)
                 for budget in self.budgets:
                     out.extend(Configuration(policy, design, budget, seed) for seed in seeds)
         return out
@@ -318,14 +318,19 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
 
 
 def _check_target(cell: CellConfig) -> None:
-    """A target (kvcert.targets) needs design poisson in every grid and, if calibrated, a fitted file of base paper."""
+    """A target (kvcert.targets) needs designs poisson or clt in every grid and, if calibrated, a fitted file of base
+    paper; design clt needs a target."""
+    designs = sorted({d for grid in cell.grids for d in grid.designs})
     if cell.target_error is None and cell.target_delta is None:
+        if "clt" in designs:
+            raise ConfigError("designs=[..., clt]: design clt samples at decode time against a target: set "
+                              "target_error (and target_delta)")
         return
     if cell.allocator != "uniform":
         raise ConfigError(f"allocator={cell.allocator}: a target chooses each KV head's sample size itself; drop "
                           "target_error or the allocator")
     try:
-        for design in sorted({d for grid in cell.grids for d in grid.designs}):
+        for design in designs:
             check_target(design, cell.target_error, cell.target_delta)
         if cell.calibration is not None:
             calibrated_scales(cell.calibration, setting=cell.setting, policy="", budget=0.0, n_layers=0,
