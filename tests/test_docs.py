@@ -215,10 +215,21 @@ def test_render_rewrites_spans_and_blocks_only(tmp_path):
     ("claims study=v1 claim=c1 nosuch", "no column 'nosuch'"),
     ("claims study=v1 claim=c1", "want one column"),
     ("claim_json study=v1 claim=c9 estimate", "no such claim"),
+    ("table model=a accuracy", "table needs file="),
+    ("table file=nosuch/summary.csv accuracy", "no such table"),
 ])
 def test_a_bad_key_names_itself(key, error):
     with pytest.raises(ValueError, match=re.escape(error)):
         render_script().render(f"<!-- value:{key} -->1<!-- /value -->", RESULTS)
+
+
+def test_table_source_reads_any_csv_under_the_results(tmp_path):
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "summary.csv").write_text("model,configuration,accuracy\na,target 0.1,51.25\na,full,60\n")
+    out = render_script().render('<!-- value:table file=study/summary.csv model=a configuration="target 0.1" '
+                                 'accuracy .1f -->x<!-- /value -->', tmp_path)
+    assert out == '<!-- value:table file=study/summary.csv model=a configuration="target 0.1" accuracy .1f -->51.2' \
+                  '<!-- /value -->'
 
 
 def test_grid_names_a_missing_column(tmp_path):

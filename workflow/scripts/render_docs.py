@@ -12,7 +12,8 @@ whose bounds are COLUMN_lo and COLUMN_hi (the sensitivity table) or for a claim 
 (``details.gain_over_confidence~ci``); ``width()`` or ``width(NAME)`` is such an interval's width. Minus signs
 are rendered as "−". Source
 ``accuracy`` pools the matching rows of accuracy.csv over what the key leaves open (weighted by n; column n
-is their sum). Blocks: ``results-grid`` (one row per claim, one column per study; also written to
+is their sum). Source ``table file=PATH`` reads any CSV under the results folder (an exploratory study's
+tables). Blocks: ``results-grid`` (one row per claim, one column per study; also written to
 results/claims_grid.md).
 
 Run by rule ``render_docs`` (workflow/rules/tables.smk), part of the default target, or by hand:
@@ -120,6 +121,14 @@ def _yaml(results, fields):
     return [_flat(yaml.safe_load(path.read_text()))]
 
 
+def _table(results, fields):
+    """Any committed CSV table under ``results`` (``file=``, relative to it: an exploratory study's tables)."""
+    name = fields.pop("file", None)
+    if not name:
+        raise DocError("table needs file= (a CSV path relative to the results folder)")
+    return _csv(results / str(name))
+
+
 def _probes(results, fields):
     """The task probes' tables (results/probes/*.csv), one row per model and task."""
     paths = sorted((results / "probes").glob("*.csv"))
@@ -139,6 +148,7 @@ SOURCES = {
     "cells": _cells,
     "yaml": _yaml,
     "probes": _probes,
+    "table": _table,
 }
 
 
@@ -154,6 +164,8 @@ def source_files(results, key):
         return [results.resolve().parent / fields["file"]]
     if source == "probes":
         return sorted((results / "probes").glob("*.csv"))
+    if source == "table":
+        return [results / fields["file"]]
     return [results / {"claims": "claims.csv", "by_model": "claims_by_model.csv", "accuracy": "accuracy.csv",
                        "reproduction": "reproduction.csv", "sensitivity": "sensitivity/sensitivity.csv"}[source]]
 
