@@ -182,7 +182,7 @@ def test_dataset_hash_is_the_hash_of_the_items(cell, tmp_path_factory):
 def test_config_yaml_round_trips(cell, tables, tmp_path, tmp_path_factory):
     """config.yaml is the composed config (less the keys added since, at their default); running it again
     reproduces the item table."""
-    from kvcert.defaults import elide_defaults
+    from kvcert.run_schema import elide_defaults
     from kvcert.runner.cell import run_cell
     from kvcert.hydra_app import compose
 
@@ -214,7 +214,7 @@ def test_an_allocator_is_recorded_only_when_it_is_not_uniform(cell, tables, tmp_
     and steps name the allocator and, set away from its default, the certain-head share (amendment 5's factors),
     which a default cell's tables lack."""
     from kvcert.runner import cli
-    from kvcert.schema import ALLOCATOR_ITEM_COLUMNS, SHARE_COLUMNS
+    from kvcert.table_columns import ALLOCATOR_ITEM_COLUMNS, SHARE_COLUMNS
 
     tiny, out_dir, overrides = cell
     items, steps = tables
