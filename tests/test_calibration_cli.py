@@ -15,7 +15,7 @@ import pytest
 
 from kvcert.calibration import calibration_summary
 from kvcert.runner import calibrate, cli
-from kvcert.schema import CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS
+from kvcert.table_columns import CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS
 
 # Five new tokens: 20 calibration prompts then give each layer the ≥ 99 rows a finite quantile at the
 # default level (0.99) needs. shard_by=task: both halves hold the workload's two tasks.

@@ -540,12 +540,12 @@ def _top_level_split(cell):
 
 
 def test_kvcert_run_key_table_is_the_schema():
-    """docs/library.md's kvcert-run table lists every key of kvcert.defaults.RunConfig with its default."""
+    """docs/library.md's kvcert-run table lists every key of kvcert.run_schema.RunConfig with its default."""
     import dataclasses
 
     from omegaconf import MISSING
 
-    from kvcert.defaults import RUN
+    from kvcert.run_schema import RUN
 
     table = next(body for header, body in markdown_tables(DOCS / "library.md") if header[:2] == ["key", "default"])
     documented = {}

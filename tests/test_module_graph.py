@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "kvcert"
 # Lower layers never import higher ones; two units of one layer never import each other. A unit is a
 # module or a subpackage (``kvcert.runner`` covers every ``kvcert.runner.*`` module).
 LAYERS = {
-    "kvcert.errors": 0, "kvcert.defaults": 0, "kvcert.schema": 0, "kvcert.atomic": 0, "kvcert.provenance": 0,
+    "kvcert.errors": 0, "kvcert.run_schema": 0, "kvcert.table_columns": 0, "kvcert.atomic": 0, "kvcert.provenance": 0,
     "kvcert.gpu_slots": 0,
     "kvcert.hydra_app": 1, "kvcert.estimator": 1, "kvcert.sampling": 1, "kvcert.prompts": 1, "kvcert.kernels": 1,
     "kvcert.data": 1, "kvcert.hub": 1, "kvcert.peer_sampling": 1,

@@ -1,4 +1,4 @@
-"""The run configuration's schema (kvcert.defaults.RunConfig) is the one description of the knobs: the YAML
+"""The run configuration's schema (kvcert.run_schema.RunConfig) is the one description of the knobs: the YAML
 holds none, the composed config is the schema's, a cell's identity and the calibration's knobs are read from
 it, and a wrongly typed value still ends in the validation's one line."""
 
@@ -10,7 +10,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from kvcert import defaults
+from kvcert import run_schema
 from kvcert.calibration import KNOBS, design_knobs
 from kvcert.errors import ConfigError
 from kvcert.hydra_app import CONF_DIR, compose
@@ -24,13 +24,13 @@ def test_the_yaml_configs_are_defaults_lists_only():
 
 def test_the_composed_config_is_the_schema_with_its_groups():
     cfg = compose(["out_dir=x"])
-    assert OmegaConf.get_type(cfg) is defaults.RunConfig
+    assert OmegaConf.get_type(cfg) is run_schema.RunConfig
     plain = OmegaConf.to_container(cfg, resolve=True)
-    schema = dataclasses.asdict(defaults.RunConfig(out_dir="x"))
-    for key in defaults.KEYS:
+    schema = dataclasses.asdict(run_schema.RunConfig(out_dir="x"))
+    for key in run_schema.KEYS:
         if key not in ("data", "model"):
             assert plain[key] == schema[key], key
-    assert list(plain) == list(defaults.KEYS)  # a cell's config.yaml lists the keys in the schema's order
+    assert list(plain) == list(run_schema.KEYS)  # a cell's config.yaml lists the keys in the schema's order
     assert plain["data"]["name"] == "ruler" and plain["model"]["kind"] == "smollm2"  # RunConfig.defaults
 
 
@@ -41,17 +41,17 @@ def test_a_cell_is_identified_by_the_knobs_that_change_what_it_computes():
               "truncate", "store_steps", "policy_options", "calibration", "shard_by"}
     # and the keys added since, which a cell's config.yaml and identity leave out at their default (an allocator,
     # a target): cells without them keep the identity above
-    assert set(defaults.ELIDED_AT_DEFAULT) == {"allocator", "allocator_options", "target_error", "target_delta"}
-    assert set(defaults.IDENTITY_KEYS) == before | set(defaults.ELIDED_AT_DEFAULT)
-    assert set(defaults.KEYS) - set(defaults.IDENTITY_KEYS) == {"out_dir", "progress", "threads",
+    assert set(run_schema.ELIDED_AT_DEFAULT) == {"allocator", "allocator_options", "target_error", "target_delta"}
+    assert set(run_schema.IDENTITY_KEYS) == before | set(run_schema.ELIDED_AT_DEFAULT)
+    assert set(run_schema.KEYS) - set(run_schema.IDENTITY_KEYS) == {"out_dir", "progress", "threads",
                                                                "check_calibration_prompts"}
 
 
 def test_the_calibration_is_bound_to_the_schema_design_knobs():
-    assert KNOBS == defaults.DESIGN_KNOBS
+    assert KNOBS == run_schema.DESIGN_KNOBS
     knobs = design_knobs()
     assert list(knobs) == list(KNOBS)
-    assert knobs["n_sink"] == defaults.DESIGN.n_sink and knobs["delta"] == defaults.RUN.delta
+    assert knobs["n_sink"] == run_schema.DESIGN.n_sink and knobs["delta"] == run_schema.RUN.delta
 
 
 @pytest.mark.parametrize("override, message", [
@@ -84,8 +84,8 @@ def test_a_uniform_cell_writes_its_committed_config_byte_for_byte():
     assert committed
     for path in committed[:3]:
         plain = yaml.safe_load(path.read_text())
-        assert not set(plain) & set(defaults.ELIDED_AT_DEFAULT)
-        position = list(defaults.KEYS).index("allocator")  # where the composed config now holds the new keys
+        assert not set(plain) & set(run_schema.ELIDED_AT_DEFAULT)
+        position = list(run_schema.KEYS).index("allocator")  # where the composed config now holds the new keys
         items = list(plain.items())
         with_keys = dict(items[:position] + [("allocator", "uniform"), ("allocator_options", None)] + items[position:])
         assert config_yaml(with_keys) == path.read_text(), path

@@ -182,7 +182,7 @@ def test_dataset_hash_is_the_hash_of_the_items(cell, tmp_path_factory):
 def test_config_yaml_round_trips(cell, tables, tmp_path, tmp_path_factory):
     """config.yaml is the composed config (less the keys added since, at their default); running it again
     reproduces the item table."""
-    from kvcert.defaults import elide_defaults
+    from kvcert.run_schema import elide_defaults
     from kvcert.runner.cell import run_cell
     from kvcert.hydra_app import compose
 
@@ -210,13 +210,16 @@ def test_config_yaml_round_trips(cell, tables, tmp_path, tmp_path_factory):
 
 def test_an_allocator_is_recorded_only_when_it_is_not_uniform(cell, tables, tmp_path_factory):
     """A uniform cell's files carry no allocator key or column (as before allocators existed); an AdaKV cell's
-    items name it, and their kept bytes are the budget's: per layer kv_heads · round(budget · n) slots."""
+    items name it, and their kept bytes are the budget's: per layer kv_heads · round(budget · n) slots. Its items
+    and steps name the allocator and, set away from its default, the certain-head share (amendment 5's factors),
+    which a default cell's tables lack."""
     from kvcert.runner import cli
-    from kvcert.schema import ALLOCATOR_ITEM_COLUMNS
+    from kvcert.table_columns import ALLOCATOR_ITEM_COLUMNS, SHARE_COLUMNS
 
     tiny, out_dir, overrides = cell
-    items, _ = tables
-    assert not set(ALLOCATOR_ITEM_COLUMNS) & set(items.columns)
+    items, steps = tables
+    assert not set(ALLOCATOR_ITEM_COLUMNS + SHARE_COLUMNS) & set(items.columns)
+    assert not set(ALLOCATOR_ITEM_COLUMNS + SHARE_COLUMNS) & set(steps.columns)
     assert "allocator" not in OmegaConf.load(out_dir / "config.yaml")
     ada_dir = tmp_path_factory.mktemp("adakv") / "cell"
     keep = [o for o in overrides if o.split("=")[0] in ("data", "data.context_tokens", "model", "model.path",
@@ -227,12 +230,15 @@ def test_an_allocator_is_recorded_only_when_it_is_not_uniform(cell, tables, tmp_
     try:
         assert cli.main([*keep, "policies=[snapkv]", "designs=[topk,poisson]", "budgets=[0.5]", "seeds=[0]",
                          "n_items=1", "allocator=adakv", "+allocator_options={alpha_safeguard: 0.5}",
-                         f"out_dir={ada_dir}"]) == 0
+                         "design_options.head_fraction=0.8", f"out_dir={ada_dir}"]) == 0
     finally:
         torch.set_num_threads(threads)
         patch.undo()
     ada = pd.read_parquet(ada_dir / "items.parquet")
-    assert list(ada.columns[-len(ALLOCATOR_ITEM_COLUMNS):]) == ALLOCATOR_ITEM_COLUMNS
+    assert list(ada.columns[-3:]) == ALLOCATOR_ITEM_COLUMNS + SHARE_COLUMNS
+    assert set(ada["head_fraction"]) == {0.8}
+    ada_steps = pd.read_parquet(ada_dir / "steps.parquet")
+    assert len(ada_steps) and set(ada_steps["allocator"]) == {"adakv"} and set(ada_steps["head_fraction"]) == {0.8}
     compressed = ada[ada["policy"] != "full"]
     assert set(compressed["allocator"]) == {"adakv"}
     assert (compressed["kept_bytes"] <= compressed["cache_bytes"]).all()

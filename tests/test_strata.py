@@ -36,7 +36,7 @@ def _row(item: int, model: str = "a", **kw) -> dict:
 
 
 def test_default_share_is_the_design_default():
-    from kvcert.defaults import DESIGN
+    from kvcert.run_schema import DESIGN
 
     assert strata.DEFAULT_SHARE == DESIGN.head_fraction
 

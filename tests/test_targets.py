@@ -265,7 +265,10 @@ def test_generate_checks_the_target_against_the_calibrated_certificate():
     (["target_error=0"], "target_error=0.0: must be a number > 0"),
     (["target_error=0.1", "target_delta=1.5"], r"target_delta=1.5: must lie in (0, 1)"),
     (["target_error=0.1", "designs=[topk,poisson]"], "target_error=0.1 needs design 'poisson' (a Poisson sample of "
-                                                      "the chosen size); got design 'topk'"),
+                                                      "the chosen size) or 'clt' (the decode-time sampler); got design "
+                                                      "'topk'"),
+    (["designs=[poisson,clt]"], "designs=[..., clt]: design clt samples at decode time against a target: set "
+                                "target_error (and target_delta)"),
     (["target_delta=0.1"], "target_delta=0.1 is set but target_error is null: give both or neither"),
     (["target_error=0.1", "designs=[poisson]", "calibration=design"], "calibration='design': a target is checked "
      "against a fitted calibration file only (the data-free 'design' correction depends on the realized sample)"),    (["target_error=0.1", "designs=[poisson]", "allocator=adakv"], "allocator=adakv: a target chooses each KV "

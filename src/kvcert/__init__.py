@@ -22,7 +22,7 @@ _EXPORTS = {
     "StepRecord": "certificates",
     "ALLOCATORS": "allocators",
     "DESIGNS": "designs",
-    "DesignOptions": "defaults",
+    "DesignOptions": "run_schema",
     "Selection": "designs",
     "EmptyRetainedSetError": "errors",
     "certificate": "estimator",

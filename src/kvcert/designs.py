@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .defaults import DesignOptions  # the run schema's design_options, defined there once
+from .run_schema import DesignOptions  # the run schema's design_options, defined there once
 from .estimator import sampled_slots
 from .peer_sampling import CLTOptions, DecodeSampler
 from .sampling import certain_mask, inclusion_probabilities, poisson_sample, retained_count

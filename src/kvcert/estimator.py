@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import torch
 
-from .defaults import DELTA
+from .run_schema import DELTA
 from .errors import EmptyRetainedSetError
 
 NOT_RETAINED = float("-inf")

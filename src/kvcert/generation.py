@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import defaults
+from . import run_schema
 from .attention import attach
 from .allocators import LayerBudget, get_allocator
 from .cache import CompressedCache
@@ -30,11 +30,11 @@ from .peer_sampling import CLTOptions
 from .policies import LayerView, get_policy, prefill_needs
 from .query_statistics import FUTURE_POSITIONS, QueryStatistics, rotary_tables, unrotate
 from .prompts import build_prompt, check_setting, model_limit
-from .schema import STEP_COLUMNS
+from .table_columns import STEP_COLUMNS
 from .targets import Target, calibrated_scales, check_target, targeted_selections
 
 FULL = "full"
-RUN = defaults.RUN  # the run schema: the defaults here are a cell's
+RUN = run_schema.RUN  # the run schema: the defaults here are a cell's
 
 
 def item_seed(seed: int, item_id: str) -> int:

@@ -1,9 +1,9 @@
 """What every kvcert command-line app shares: composing a Hydra config from the package's ``conf/``
 (``configs/`` at the repository root) with the compose API, and turning every Hydra/OmegaConf failure
 into one line that names the key at fault (with a did-you-mean hint). The run and calibrate configs are
-the structured configs of ``kvcert.defaults`` (registered in Hydra's ConfigStore as ``run_schema`` and
+the structured configs of ``kvcert.run_schema`` (registered in Hydra's ConfigStore as ``run_schema`` and
 ``calibrate_schema``); ``--help`` prints their keys with defaults and meaning, other apps' config file;
-``--cfg`` prints the composed, resolved config. Imports only ``kvcert.errors`` and ``kvcert.defaults``.
+``--cfg`` prints the composed, resolved config. Imports only ``kvcert.errors`` and ``kvcert.run_schema``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import difflib
 import re
 from pathlib import Path
 
-from .defaults import CalibrateConfig, RunConfig, yaml_lines
+from .run_schema import CalibrateConfig, RunConfig, yaml_lines
 from .errors import UsageError
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .defaults import DESIGN
+from .run_schema import DESIGN
 
 
 def certain_mask(n: int, n_sink: int, n_recent: int, device=None) -> torch.Tensor:

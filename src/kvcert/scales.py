@@ -25,7 +25,7 @@ the derived scale follows.
 A cell is a typed mapping (``Cell``): its model key, its shards and its ``kvcert-run`` overrides. The
 overrides stay ``key=value`` strings in the file (the committed records were run from them); they are read
 with Hydra's override grammar (``parse_overrides``), their keys checked against the run configuration's
-schema (kvcert.defaults.RunConfig) when a scale is expanded, and ``cell_config`` composes a cell's typed
+schema (kvcert.run_schema.RunConfig) when a scale is expanded, and ``cell_config`` composes a cell's typed
 configuration exactly as ``kvcert-run`` will.
 """
 
@@ -39,7 +39,7 @@ from typing import Any, Mapping, TypedDict
 
 import yaml
 
-from .defaults import DesignOptions, RunConfig
+from .run_schema import DesignOptions, RunConfig
 
 
 class ScaleError(ValueError):
@@ -346,7 +346,7 @@ def override_value(overrides: list[str], key: str) -> Any:
 
 def cell_config(scale: Mapping[str, Any], cell: Cell, extra: list[str] = ()):
     """The cell's kvcert-run configuration, composed and typed as the runner composes it (a DictConfig of
-    kvcert.defaults.RunConfig); ``extra`` overrides come last."""
+    kvcert.run_schema.RunConfig); ``extra`` overrides come last."""
     from .hydra_app import compose
 
     return compose([*cell_overrides(scale, cell), *extra])

@@ -34,7 +34,7 @@ import torch
 
 from .calibration import DESIGN as DESIGN_CORRECTION
 from .calibration import ROUNDING, Calibration
-from .defaults import DELTA
+from .run_schema import DELTA
 from .designs import TARGET_DESIGNS, DesignOptions, Selection, _pack
 from .estimator import compute_dtype
 from .policies.base import LayerView

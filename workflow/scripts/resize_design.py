@@ -180,7 +180,7 @@ SCORERS_5 = ("snapkv", "tova", "knorm", "expected_attention", "criticalkv", "obs
 # Allocator -> the scorers it runs over (AdaKV and PyramidKV over snapkv only: the amendment's cost argument).
 ALLOCATORS_5 = {"uniform": SCORERS_5, "adakv": ("snapkv",), "pyramidkv": ("snapkv",)}
 SHARES_5 = (0.5, 0.8, 0.95)
-DEFAULT_SHARE, DEFAULT_ALLOCATOR = 0.5, "uniform"  # kvcert.defaults' head_fraction and allocator
+DEFAULT_SHARE, DEFAULT_ALLOCATOR = 0.5, "uniform"  # kvcert.run_schema' head_fraction and allocator
 
 
 def _pooling(scorer: str) -> bool:

@@ -21,7 +21,7 @@ from kvcert.analysis.errors import AnalysisError
 from kvcert.atomic import write_text_atomic
 
 COLUMNS = ["model", "task", "setting", "policy", "design", "budget", "accuracy", "n"]
-# Cells run with a non-uniform allocator carry an ``allocator`` column (kvcert.schema.ALLOCATOR_ITEM_COLUMNS);
+# Cells run with a non-uniform allocator carry an ``allocator`` column (kvcert.table_columns.ALLOCATOR_ITEM_COLUMNS);
 # when any cell does, the table gains that column after ``policy`` (rows of the other cells say ``uniform``),
 # so that one policy's rows under two allocators stay apart. Tables of uniform cells alone are unchanged.
 ALLOCATOR = "allocator"

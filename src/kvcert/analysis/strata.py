@@ -15,7 +15,7 @@ so each ranking (scorer), each budget allocator and each certain-head share is a
 
 A configuration is the triple (policy, allocator, head_fraction) of an items/steps row: a table without an
 ``allocator`` column holds uniform cells only, one without ``head_fraction`` the design default's share
-(kvcert.defaults: 0.5). Top-k keeps no sampled tail, so its accuracy does not depend on the share: the top-k
+(kvcert.run_schema: 0.5). Top-k keeps no sampled tail, so its accuracy does not depend on the share: the top-k
 reference of Poisson at share h is top-k of the same policy, allocator and budget at any share (their per-item
 mean when several cells hold it). The policies are claims.yaml's (SnapKV) and every other policy of the claim's setting
 with rows of both designs (C2) or Poisson step rows (C3) at every budget of the population (``policies_of``;
@@ -55,7 +55,7 @@ def variant(choice: str, claim: str, name: str, tables: tuple[str, ...] = ("item
 MODEL = "model"
 ALLOCATOR, SHARE = "allocator", "head_fraction"
 DEFAULT_ALLOCATOR = "uniform"
-# The design's default certain-head share (kvcert.defaults.DESIGN.head_fraction; the analysis layer does not
+# The design's default certain-head share (kvcert.run_schema.DESIGN.head_fraction; the analysis layer does not
 # import the run schema, and tests/test_strata.py checks the two agree).
 DEFAULT_SHARE = 0.5
 # C6's AUC method: version 4's base analysis (amendment2) computes its AUCs by scikit-learn's method.

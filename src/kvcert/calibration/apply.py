@@ -8,10 +8,10 @@ from typing import Iterable, Mapping
 import numpy as np
 import pandas as pd
 
-from .. import defaults
+from .. import run_schema
 from ..designs import DesignOptions
 from ..errors import CalibrationError
-from ..schema import CALIBRATED_ITEM_COLUMNS, CALIBRATED_STEP_COLUMNS
+from ..table_columns import CALIBRATED_ITEM_COLUMNS, CALIBRATED_STEP_COLUMNS
 from .corrections import ROUNDING, base_certificate, design_factor, output_norm
 from .fileformat import DESIGN, Calibration, load_calibration
 from .fingerprint import model_identity
@@ -43,8 +43,8 @@ def calibrated_certificate(calibration: Calibration | str, steps: pd.DataFrame, 
 
 
 def prepare_calibration(calibration, *, model=None, setting: str, configurations: Iterable[tuple[str, str, float]],
-                        options: DesignOptions = DesignOptions(), delta: float = defaults.DELTA,
-                        observation_window: int = defaults.OBSERVATION_WINDOW,
+                        options: DesignOptions = DesignOptions(), delta: float = run_schema.DELTA,
+                        observation_window: int = run_schema.OBSERVATION_WINDOW,
                         policy_options: Mapping | None = None) -> Calibration | str:
     """Load a ``calibration=`` value and check it, before anything is computed: a file must have been fitted
     on ``model`` (when given) with these knobs, and hold factors for every (policy, design, budget) of
@@ -60,8 +60,8 @@ def prepare_calibration(calibration, *, model=None, setting: str, configurations
 
 
 def apply_calibration(calibration, steps: pd.DataFrame, *, model=None, design: str, policy: str, budget: float,
-                      setting: str, options: DesignOptions = DesignOptions(), delta: float = defaults.DELTA,
-                      observation_window: int = defaults.OBSERVATION_WINDOW, policy_options: Mapping | None = None,
+                      setting: str, options: DesignOptions = DesignOptions(), delta: float = run_schema.DELTA,
+                      observation_window: int = run_schema.OBSERVATION_WINDOW, policy_options: Mapping | None = None,
                       checked: bool = False) -> pd.DataFrame:
     """``steps`` (one configuration's STEP_COLUMNS rows) with ``CALIBRATED_STEP_COLUMNS`` added.
 

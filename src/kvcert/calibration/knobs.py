@@ -1,6 +1,6 @@
 """The design knobs a calibration is bound to: those that decide π and ε̂, and so the fitted factors.
 
-Which knobs these are is the run configuration's schema (``kvcert.defaults``: the fields marked
+Which knobs these are is the run configuration's schema (``kvcert.run_schema``: the fields marked
 ``design_knob``). A file records ``design_knobs(...)`` when it is fitted; ``Calibration.check_design`` refuses a
 run whose knobs differ (one line naming the knob as the run configuration spells it, ``knob_label``).
 """
@@ -11,7 +11,7 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-from ..defaults import DESIGN_KNOBS, RUN, DesignOptions
+from ..run_schema import DESIGN_KNOBS, RUN, DesignOptions
 
 KNOBS = DESIGN_KNOBS
 # Knobs that live under ``design_options`` in a run configuration; the rest are top-level keys.

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..atomic import unwritable_reason
 from ..calibration import (Calibration, default_level, design_knobs, fit_calibration, knob_label,
                            model_identity, needed_prompts)
-from ..defaults import CALIBRATE_KEYS, CalibrateConfig
+from ..run_schema import CALIBRATE_KEYS, CalibrateConfig
 from ..errors import ConfigError, UsageError
 from ..hydra_app import check_top_level_keys, compose_or_show, missing_keys, one_line
 from ..models import ModelSpec, load_model, model_fingerprint
@@ -35,7 +35,7 @@ _OWN_KEYS = CALIBRATE_KEYS  # the fit's own keys, beside the run's
 
 
 def _options(cfg) -> dict:
-    """The fit's own options, checked against the schema (kvcert.defaults.CalibrateConfig): level (None: the
+    """The fit's own options, checked against the schema (kvcert.run_schema.CalibrateConfig): level (None: the
     default, 1 − delta/5), unit, base, relative_term, never_below_paper."""
     from .config import check_keys
 

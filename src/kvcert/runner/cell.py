@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from ..atomic import unwritable_reason, write_parquet_atomic, write_text_atomic
 from ..calibration import Calibration, calibration_summary, prepare_calibration
 from ..data import Item, is_correct, load_items, score_item, shard_items
-from ..defaults import ELIDED_AT_DEFAULT, IDENTITY_KEYS, RUN, elide_defaults
+from ..run_schema import ELIDED_AT_DEFAULT, IDENTITY_KEYS, RUN, elide_defaults
 from ..errors import ConfigError
 from ..generation import FULL, Prefill, decode_configurations, eos_ids, prefill
 from ..kernels import attention_path
@@ -31,7 +31,7 @@ from ..models import ModelSpec, load_model
 from ..policies import prefill_needs
 from ..prompts import PromptIds, build_prompt, model_limit
 from ..provenance import code_fingerprint, sha256_file, short
-from ..schema import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS
+from ..table_columns import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS, SHARE_COLUMNS
 from ..targets import CHOICE_COLUMNS
 from .config import CellConfig, Configuration, plain_config, validate
 from .manifest import build_manifest
@@ -65,7 +65,7 @@ def _identity(cfg: Mapping[str, Any], items: list[Item], fingerprint: str) -> di
 
 def config_yaml(cfg) -> str:
     """A cell's config.yaml: the resolved config (an OmegaConf config or its plain dict) without the keys that
-    hold a default added after committed cells (kvcert.defaults.elide_defaults). OmegaConf.to_yaml dumps its
+    hold a default added after committed cells (kvcert.run_schema.elide_defaults). OmegaConf.to_yaml dumps its
     container, so a config without such keys is written byte for byte as before they existed."""
     from omegaconf import OmegaConf
 
@@ -106,6 +106,10 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
     timings["prefill"] += time.perf_counter() - start
     stop = eos_ids(model, tokenizer)
     allocated = cell.allocator != RUN.allocator
+    shared = cell.options.head_fraction != RUN.design_options.head_fraction
+    # a default cell's tables stay as they were before allocators and certain-head shares were factors
+    configuration = {**({"allocator": cell.allocator} if allocated else {}),
+                     **({"head_fraction": float(cell.options.head_fraction)} if shared else {})}
     rows, steps = [], []
     for group in batches(cell.configurations()):
         start = time.perf_counter()
@@ -134,13 +138,14 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
             })
             if cell.calibration is not None:
                 rows[-1].update(calibration_summary(stored))
-            if allocated:  # a uniform cell's table stays as it was before allocators existed
-                rows[-1].update(allocator=cell.allocator, kept_bytes=decoded.kept_bytes)
+            if allocated:
+                rows[-1].update(kept_bytes=decoded.kept_bytes)
+            rows[-1].update(configuration)
             if len(stored) and cell.store_steps:
-                steps.append(stored)
+                steps.append(stored.assign(**configuration) if configuration else stored)
     step_frame = pd.concat(steps, ignore_index=True) if steps else empty_step_table()
     columns = (ITEM_COLUMNS + (CALIBRATED_ITEM_COLUMNS if cell.calibration is not None else [])
-               + (ALLOCATOR_ITEM_COLUMNS if allocated else []))
+               + (ALLOCATOR_ITEM_COLUMNS if allocated else []) + (SHARE_COLUMNS if shared else []))
     return pd.DataFrame(rows)[columns], step_frame
 
 

@@ -1,4 +1,4 @@
-"""Validation of a cell's configuration against its schema (``kvcert.defaults.RunConfig``): every bad key gets
+"""Validation of a cell's configuration against its schema (``kvcert.run_schema.RunConfig``): every bad key gets
 one line naming the key and the value. What each field takes (its type, bounds, registry) is read from the
 schema; this module knows only the registries' contents and the checks no type can state."""
 
@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .. import defaults as schema
+from .. import run_schema as schema
 from ..allocators import ALLOCATORS
 from ..calibration import BASES, UNITS, load_calibration
 from ..data import SHARD_BY

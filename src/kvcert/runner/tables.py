@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..schema import CALIBRATED_STEP_COLUMNS, ITEM_COLUMNS, KEY_COLUMNS, STEP_FLOAT32, STEP_INT32
+from ..table_columns import CALIBRATED_STEP_COLUMNS, ITEM_COLUMNS, KEY_COLUMNS, STEP_FLOAT32, STEP_INT32
 
 
 def summarize_steps(steps: pd.DataFrame) -> dict[str, float]:

@@ -41,7 +41,14 @@ CALIBRATED_ITEM_COLUMNS = ["cert_calibrated_mean", "cert_calibrated_max", "cover
 # row to the layer's longest, and an allocator makes the heads' counts differ).
 ALLOCATOR_ITEM_COLUMNS = ["allocator", "kept_bytes"]
 
+# Optional columns that name a row's configuration beyond its key columns, added to item rows and step rows only
+# where the cell departs from the default (a default cell's tables are unchanged): the allocator (non-uniform) and
+# the certain-head share (design_options.head_fraction other than its default). kvcert.analysis.strata reads a
+# table without them as the defaults.
+ALLOCATOR_STEP_COLUMNS = ["allocator"]
+SHARE_COLUMNS = ["head_fraction"]
+
 __all__ = [
-    "ALLOCATOR_ITEM_COLUMNS", "CALIBRATED_ITEM_COLUMNS", "CALIBRATED_STEP_COLUMNS", "ITEM_COLUMNS", "KEY_COLUMNS", "STEP_COLUMNS",
+    "ALLOCATOR_ITEM_COLUMNS", "ALLOCATOR_STEP_COLUMNS", "SHARE_COLUMNS", "CALIBRATED_ITEM_COLUMNS", "CALIBRATED_STEP_COLUMNS", "ITEM_COLUMNS", "KEY_COLUMNS", "STEP_COLUMNS",
     "STEP_FLOAT32", "STEP_INT32",
 ]

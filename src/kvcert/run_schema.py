@@ -76,7 +76,8 @@ class RunConfig:
     policies: list[str] = knob(["snapkv"], 'scoring policies (kvcert.POLICIES); "full" is always run as the reference',
                                known=True)
     designs: list[str] = knob(["topk", "poisson"], "topk (deterministic) | poisson (certain head + Poisson tail + "
-                              "Hajek offset)", known=True)
+                              "Hajek offset) | clt (the peers' decode-time CLT-sized sampler; keeps every slot; needs "
+                              "target_error)", known=True)
     budgets: list[float] = knob([0.25, 0.5], "retained fraction of the prefix, each in (0, 1]", low=0, high=1,
                                 low_open=True)
     seeds: list[int] = knob([0], "Poisson draws only; deterministic designs run once (seed 0)")
@@ -98,7 +99,8 @@ class RunConfig:
                                            "file never saw", identity=False)
     delta: float = knob(0.05, "certificate level: sqrt(trV / delta) bounds the error w.p. >= 1 - delta (Chebyshev)",
                         low=0.0, high=0.999, low_open=True, design_knob=True)
-    target_error: Optional[float] = knob(None, "target relative error of the attention output (design poisson): per "
+    target_error: Optional[float] = knob(None, "target relative error of the attention output (design poisson; clt: "
+                                         "its decode-time bound): per "
                                          "layer and KV head the smallest expected sample whose certificate, predicted "
                                          "on the observation window, meets it; budgets are caps. null: fixed budgets",
                                          elided_at_default=True)
