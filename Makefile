@@ -74,7 +74,7 @@ device-check-standin:
 ## The default test suite, including the smoke DAG end to end and the held-out calibration check (README's
 ## test command).
 test: install model peers
-	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm and not long"
+	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm and not long" --durations=25
 
 ## The calibrated certificate's held-out check alone (kvcert-calibrate on 20 prompts, kvcert-run on 20 others;
 ## 3 CPU-minutes, measured 8.5 minutes on 2 cores shared with other work; also part of `make test`).

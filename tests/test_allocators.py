@@ -129,3 +129,42 @@ def test_a_bad_allocator_fails_with_one_line(name, options, message):
     with pytest.raises(ValueError) as err:
         get_allocator(name, **options)
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("design", [topk_design, poisson_design])
+def test_ragged_heads_attend_over_their_own_kept_slots_only_and_count_their_bytes(design):
+    """An AdaKV layer keeps a different count per KV head; the cache pads each head's row to the longest with
+    log π = −inf. Attention over the derived layer equals, per head, a float64 softmax over that head's kept slots
+    alone (with the Hájek offset −log π), and the kept bytes are the kept slots' (the padding is not counted)."""
+    from kvcert.attention import compressed_attention
+    from kvcert.cache import CompressedLayer
+    from kvcert.generation import _footprint
+
+    g = torch.Generator().manual_seed(5)
+    d, group, m = 16, 2, 1
+    keys, values = torch.randn(1, HEADS, N, d, generator=g), torch.randn(1, HEADS, N, d, generator=g)
+    prefix = CompressedLayer()
+    prefix.update(keys, values)
+    (budget,) = AdaKV(alpha_safeguard=0.2).allocate(0.25, N, 1, OPTIONS.n_sink, OPTIONS.n_recent)
+    sel = design(_scores()[:1], 0.25, OPTIONS, generator=torch.Generator().manual_seed(2), allocation=budget)
+    kept = sel.retained[0]
+    assert len(set(kept.tolist())) > 1  # ragged: the heads keep different counts
+    layer = prefix.derive([sel], reserve=0)
+    query = torch.randn(1, HEADS * group, m, d, generator=g)
+    out = compressed_attention(layer, query, layer.keys, layer.values, 0.25, None)  # (1, hq, m, d)
+    for h in range(HEADS):
+        index = sel.index[0, h, : int(kept[h])]
+        log_pi = sel.log_pi[0, h, : int(kept[h])].double()
+        k, v = keys[0, h, index].double(), values[0, h, index].double()
+        for q in range(group):
+            logits = query[0, h * group + q, 0].double() @ k.T * 0.25 - log_pi
+            reference = torch.softmax(logits, -1) @ v
+            torch.testing.assert_close(out[0, h * group + q, 0].double(), reference, rtol=1e-5, atol=1e-5)
+
+    class _State:  # what _footprint reads of a prefill: its cache's layers
+        cache = type("C", (), {"layers": [prefix]})()
+
+    _, padded, full, kept_bytes = _footprint(_State(), [sel])
+    per_slot = full // N  # every head's slot of the layer: keys, values, log π, offset, positions
+    assert kept_bytes * HEADS == int(kept.sum()) * per_slot
+    assert padded == int(kept.max()) * per_slot and kept_bytes < padded

@@ -50,14 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         arrays.update(cap_and_leverage_scores(module, keys, values, kwargs))
         return output
 
-    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
-    handles += allocator_hooks(model, arrays)
-    try:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=True)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_hooked(model, ids, [hook], extra=allocator_hooks(model, arrays))
     arrays.update(observed_attention_scores(args.model_dir, ids))
     np.savez(args.out, **arrays)
     return 0
@@ -166,14 +159,21 @@ def observed_attention_scores(model_dir: str, ids: torch.Tensor) -> dict[str, np
         arrays[f"observed_attention_layer{module.layer_idx}"] = scores.double().numpy()
         return output
 
-    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+    run_hooked(model, ids, [hook])
+    return arrays
+
+
+def run_hooked(model, ids: torch.Tensor, hooks: list, extra: list | None = None) -> None:
+    """One forward pass of ``ids`` with each of ``hooks`` on every attention module (and the already registered
+    handles ``extra``), every handle removed afterwards."""
+    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for hook in hooks
+               for layer in model.model.layers] + list(extra or [])
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=True)
     finally:
         for handle in handles:
             handle.remove()
-    return arrays
 
 
 # ----------------------------------------------------------------------------------------------------------------
