@@ -330,3 +330,34 @@ def test_kvcert_run_with_a_target_writes_the_choice_per_item_layer_and_head(tmp_
         assert retained == pytest.approx(rows["retained"].mean())  # the cache holds what was chosen
         assert (rows["expected_count"] <= rows["cap_count"]).all()
     assert yaml.safe_load((out / "config.yaml").read_text())["target_error"] == 1.0
+
+
+@pytest.mark.parametrize("setting", ["question_aware", "streaming"])
+def test_a_target_works_with_every_scorer(setting):
+    """Every registered policy's scores feed the target (tiny random-weight Gemma 3: GQA, sliding-window layers):
+    each configuration keeps per head the chosen expected size (its log names every layer and KV head), within
+    the minimum and the cap, and decodes with its error measured; clt decodes beside it at the same target."""
+    from helpers.tiny_models import build, prompt
+
+    import kvcert
+    from kvcert.generation import Configuration, decode_configurations
+    from kvcert.policies import POLICIES, prefill_needs
+
+    _, model, _ = build("gemma3")
+    context, question = prompt(3, n_context=160)
+    policies = sorted(POLICIES)
+    needs = prefill_needs(policies, None)
+    state = (kvcert.prefill(model, torch.cat([context, question], -1), setting=setting, **needs)
+             if setting == "question_aware" else kvcert.prefill(model, context, question, setting=setting, **needs))
+    confs = [Configuration(p, design, 0.5, 0) for p in policies for design in ("poisson", "clt")]
+    out = decode_configurations(model, state, confs, max_new_tokens=3, oracle=True, target=Target(0.1, 0.05))
+    layers, heads = len(state.cache.layers), state.cache.layers[0].keys.shape[1]
+    for conf, decoded in zip(confs, out):
+        assert len(decoded.steps) and decoded.steps["true_err"].notna().all(), conf
+        if conf.design == "clt":
+            assert decoded.target_choice is None and decoded.kept_bytes == decoded.full_bytes, conf
+            continue
+        choice = decoded.target_choice
+        assert len(choice) == layers * heads, conf
+        assert (choice["expected_count"] <= choice["cap_count"] + 1e-6).all(), conf
+        assert decoded.kept_bytes < decoded.full_bytes, conf
