@@ -82,7 +82,8 @@ test-heldout: install model
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m heldout
 
 ## The long end-to-end checks outside `make test`: amendment 5's reuse-population -> timing -> power -> design path
-## on both models at smoke size (about 25 minutes on 2 shared cores).
+## on both models at smoke size (about 25 minutes on 2 shared cores), a throwaway amendment's staged pilot (make test
+## runs it with a reused population) and `make device-check-standin` end to end.
 test-long: install model
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m long
 

@@ -4,8 +4,10 @@ applied to a smoke-sized study.
 
 The folder preregistration/amendment-5/ holds amendment.yaml (amendment 4's document, renumbered, its pilot
 reduced to the smoke pilot's size: SmolLM2 only, 2 items of one variant, bands open; its power's oracle counts
-stated as data) and what the stages write there. The pilot's stages run for real on the smoke model and items
-(workflow/scripts/pilot.py --method staged --smoke, then choose); the measured cell times and the power analysis
+stated as data) and what the stages write there. The pilot runs by the method the document names, in two forms:
+``staged`` (marked long, `make test-long`: the stages run for real on the smoke model and items,
+workflow/scripts/pilot.py --method staged --smoke, then choose) and ``reuse_population`` (the bounded form in
+`make test`: amendment 4's locked population copied, no stage runs); the measured cell times and the power analysis
 are amendment 4's committed files reduced to smoke size (SmolLM2's rows, 3 items per cell), because the smoke
 pilot's class rates are not a basis for a power rule; the design is computed from them by resize_design.py; the
 lock is kvcert-prereg's; the study runs the design's cells (kvcert-run, 1 thread) and every claim under version 5.
@@ -54,14 +56,16 @@ def _copy(root: Path) -> Path:
     return root
 
 
-def _amendment_5(root: Path) -> Path:
-    """preregistration/amendment-5/amendment.yaml from amendment 4's document: data only."""
+def _amendment_5(root: Path, pilot: str) -> Path:
+    """preregistration/amendment-5/amendment.yaml from amendment 4's document: data only. pilot: its method."""
     doc = yaml.safe_load((ROOT / "preregistration" / "amendment-4.yaml").read_text())
     doc.update(version=5, status="DRAFT: a throwaway amendment built by a test",
                amends={"version": 4, "document": "preregistration/amendment-4.yaml",
                        "lock": "preregistration/amendment-4.lock"},
-               freezes=OWN_FILES)
-    doc["pilot"] = {**doc["pilot"], "method": "staged", "models": ["smollm2"]}
+               freezes=_own_files(pilot))
+    doc["pilot"] = {**doc["pilot"], "method": pilot, "models": ["smollm2"]}
+    if pilot == "reuse_population":
+        doc["pilot"]["population_from"] = "preregistration/amendment-4/population.yaml"
     doc["power"] = {**doc["power"], "method": "studies_span_targets", "studies": ["v1", "v2", "v2-full", "v3"],
                     "oracle_items": {"smollm2": 2}, "timing": {"n_items": 1, "budget_minutes": 65, "cores": 1}}
     folder = root / "preregistration" / "amendment-5"
@@ -80,28 +84,38 @@ def _smoke_sized_power(folder: Path) -> None:
     (folder / "power.yaml").write_text(yaml.safe_dump(power, sort_keys=False))
 
 
-def test_a_throwaway_amendment_runs_from_data_alone(tmp_path):
+def _own_files(pilot: str) -> list[str]:
+    return [f for f in OWN_FILES if pilot == "staged" or f != "pilot.csv"]  # reusing a population writes no rows
+
+
+@pytest.mark.parametrize("pilot", [pytest.param("staged", marks=pytest.mark.long), "reuse_population"])
+def test_a_throwaway_amendment_runs_from_data_alone(tmp_path, pilot):
     root = _copy(tmp_path / "repo")
-    folder = _amendment_5(root)
+    folder = _amendment_5(root, pilot)
 
     # Discovered from the folder: what it freezes, its analysis (inherited), its methods; still a draft.
     v5, v4 = prereg.version(5, root), prereg.version(4, root)
     rel = "preregistration/amendment-5"
-    assert v5.files == (*v4.files, f"{rel}/amendment.yaml", *(f"{rel}/{f}" for f in OWN_FILES))
+    assert v5.files == (*v4.files, f"{rel}/amendment.yaml", *(f"{rel}/{f}" for f in _own_files(pilot)))
     assert (v5.lock, v5.analysis, v5.choices) == (f"{rel}/amendment.lock", "amendment2", (("c5_gating", "within_model"),))
-    assert (v5.pilot, v5.power, v5.models) == ("staged", "studies_span_targets", ("smollm2",))
+    assert (v5.pilot, v5.power, v5.models) == (pilot, "studies_span_targets", ("smollm2",))
     assert prereg.newest(root) == 5 and prereg.latest(root) == 4
     with pytest.raises(prereg.PreregistrationError, match="is a draft"):
         prereg.write_lock(root, number=5)
 
-    # Pilot: the staged method's stages on the smoke model and items, then its rules.
-    rows = tmp_path / "pilot-smollm2.csv"
+    # Pilot, by the method the data names: staged runs stages A-D on the smoke model and items, then its rules;
+    # reuse_population copies amendment 4's locked population.
     run = [sys.executable, str(SCRIPTS / "pilot.py")]
-    subprocess.run([*run, "--method", v5.pilot, "--smoke", "--amendment", str(root / v5.document),
-                    "--model", "smollm2", "--out", str(rows)], check=True, capture_output=True, text=True)
-    subprocess.run([*run, "choose", "--amendment", str(root / v5.document), "--pilot", str(rows),
-                    "--csv", str(folder / "pilot.csv"), "--out", str(folder / "population.yaml")],
-                   check=True, capture_output=True, text=True)
+    if pilot == "staged":
+        rows = tmp_path / "pilot-smollm2.csv"
+        subprocess.run([*run, "--method", v5.pilot, "--smoke", "--amendment", str(root / v5.document),
+                        "--model", "smollm2", "--out", str(rows)], check=True, capture_output=True, text=True)
+        subprocess.run([*run, "choose", "--amendment", str(root / v5.document), "--pilot", str(rows),
+                        "--csv", str(folder / "pilot.csv"), "--out", str(folder / "population.yaml")],
+                       check=True, capture_output=True, text=True)
+    else:
+        subprocess.run([*run, "--method", v5.pilot, "--amendment", str(root / v5.document),
+                        "--out", str(folder / "population.yaml")], check=True, capture_output=True, text=True)
     population = yaml.safe_load((folder / "population.yaml").read_text())
     assert list(population["models"]) == ["smollm2"]
 

@@ -81,6 +81,7 @@ def test_a_model_that_cannot_be_loaded_is_one_line(capsys):
 
 
 @pytest.mark.smollm2
+@pytest.mark.long  # two loads of a Llama-3.1-8B-shaped stand-in (its 128k-token embedding): make test-long
 def test_the_standin_target_runs_both_checks(tmp_path):
     """``make device-check-standin``, what a GPU node without network runs (docs/cluster.md): the stand-in with
     Llama-3.1-8B's heads (one layer here) built from a carried tokenizer, then the device check through the PyTorch

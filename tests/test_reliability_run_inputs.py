@@ -42,7 +42,7 @@ CASES = [
     # names
     ("policy-unknown", RULER, ["policies=[foo]"], "policies: 'foo' is unknown; known: ['cap',", False),
     ("policies-no-brackets", RULER, ["policies=snapkv"], "policies='snapkv': expected a non-empty list, e.g. 'policies=[snapkv]'", False),
-    ("design-unknown", RULER, ["designs=[foo]"], "designs: 'foo' is unknown; known: ['poisson', 'topk']", False),
+    ("design-unknown", RULER, ["designs=[foo]"], "designs: 'foo' is unknown; known: ['clt', 'poisson', 'topk']", False),
     ("setting-unknown", RULER, ["setting=foo"], "setting='foo' is unknown; known: ['question_aware', 'streaming']", False),
     ("model-unknown", RULER, ["model=foo"], "model=foo: unknown model; known: gemma3, gguf, hf, smollm2", False),
     ("data-unknown", RULER, ["data=foo"], "data=foo: unknown data; known: jsonl, longbench, ruler", False),

@@ -206,34 +206,69 @@ def target_table(choices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=TARGET_COLUMNS)
 
 
+FAMILY_COLORS = {"fixed": "tab:blue", "adakv": "tab:orange", "pyramidkv": "tab:green", "target": "tab:red",
+                 "clt": "tab:purple"}
+DESIGN_MARKERS = {"topk": "s", "poisson": "o", "clt": "X"}
+# A small horizontal offset per allocator family, so that equal results (AdaKV on one KV head, PyramidKV where it
+# falls back to uniform) stay visible side by side.
+FAMILY_DODGE = {"fixed": -0.012, "adakv": 0.0, "pyramidkv": 0.012}
+
+
+def _family(row) -> str:
+    """The colour group of a summary row: its cell variant's family (targets and clt by design)."""
+    if row["design"] == "clt":
+        return "clt"
+    return "target" if str(row["variant"]).startswith("target") else str(row["variant"])
+
+
 def figure(summary: pd.DataFrame, epsilons: list[float], png: Path, pdf: Path) -> None:
     """Per model (columns): kept bytes (share of the full cache) on x; accuracy and the realized error's 95th
-    percentile (e/‖ô‖) on y; the targets marked with stars, the study's ε as dashed lines."""
+    percentile (e/‖ô‖) on y. Colour: the cell family (fixed budgets, AdaKV, PyramidKV, the targets, the peers'
+    sampler); marker: the design (targets as stars); budget 25% hollow, 50% filled; the study's ε as dashed lines,
+    the full cache's accuracy dotted."""
+    from matplotlib.lines import Line2D
+
     models = list(dict.fromkeys(summary["model"]))
-    fig, axes = plt.subplots(2, len(models), figsize=(4.6 * len(models), 6.4), squeeze=False, sharex="col")
-    markers = {"topk": "s", "poisson": "o", "clt": "X"}
+    fig, axes = plt.subplots(2, len(models), figsize=(4.8 * len(models), 6.8), squeeze=False, sharex="col")
     for col, model in enumerate(models):
         m = summary[summary["model"] == model]
         full = m[m["configuration"] == "full"]
         if len(full):
-            axes[0, col].axhline(float(full["accuracy"].iloc[0]), color="black", lw=0.7, ls=":", label="full cache")
+            axes[0, col].axhline(float(full["accuracy"].iloc[0]), color="black", lw=0.8, ls=":")
         for _, r in m[m["configuration"] != "full"].iterrows():
-            is_target = pd.notna(r["target_error"]) and r["design"] == "poisson"
-            style = dict(marker="*" if is_target else markers.get(r["design"], "o"), ms=11 if is_target else 6,
-                         ls="none", label=r["configuration"])
-            axes[0, col].plot(r["kept_bytes_fraction"], r["accuracy"], **style)
-            axes[1, col].plot(r["kept_bytes_fraction"], r["rel_err_p95"], **style)
+            family = _family(r)
+            is_target = family == "target"
+            color = FAMILY_COLORS.get(family, "0.3")
+            hollow = not is_target and family != "clt" and float(r["budget"]) < 0.5
+            style = dict(marker="*" if is_target else DESIGN_MARKERS.get(r["design"], "o"), ms=13 if is_target else 7,
+                         ls="none", color=color, markerfacecolor="none" if hollow else color, markeredgewidth=1.4,
+                         alpha=0.85)
+            x = float(r["kept_bytes_fraction"]) + FAMILY_DODGE.get(family, 0.0)
+            axes[0, col].plot(x, r["accuracy"], **style)
+            axes[1, col].plot(x, r["rel_err_p95"], **style)
+            if is_target or family == "clt":  # which ε, in the accuracy panel: a target's above (the largest ε) or
+                # below its star, clt's to the left of its cross (at the right edge: it keeps the whole cache)
+                above = float(r["target_error"]) >= max(epsilons)
+                offset = (-40, -3) if family == "clt" else (-8, 9 if above else -13)
+                axes[0, col].annotate(f"ε={r['target_error']:g}", (x, r["accuracy"]), textcoords="offset points",
+                                      xytext=offset, fontsize=7, color=color)
         for eps in epsilons:
             axes[1, col].axhline(eps, color="0.4", lw=0.7, ls="--")
         axes[0, col].set_title(model)
         axes[1, col].set_xlabel("kept bytes / full cache bytes")
         axes[1, col].set_yscale("log")
-        axes[0, col].legend(fontsize=6, ncol=2)
     axes[0, 0].set_ylabel("accuracy (%)")
     axes[1, 0].set_ylabel("95th pct of ||o_hat - o|| / ||o_hat||")
-    fig.suptitle("Exploratory: certified budgets (targets as stars, the CLT sampler as crosses; dashed: the target "
-                 "errors)")
-    fig.tight_layout()
+    handles = [Line2D([], [], color=c, marker="o", ls="none", label=name) for name, c in FAMILY_COLORS.items()]
+    handles += [Line2D([], [], color="0.3", marker=mk, ls="none", label=name) for name, mk in DESIGN_MARKERS.items()]
+    handles += [Line2D([], [], color="0.3", marker="*", ms=11, ls="none", label="target (poisson)"),
+                Line2D([], [], color="0.3", marker="o", markerfacecolor="none", ls="none", label="budget 0.25"),
+                Line2D([], [], color="0.3", marker="o", ls="none", label="budget 0.5"),
+                Line2D([], [], color="black", ls=":", label="full cache"),
+                Line2D([], [], color="0.4", ls="--", label="target errors")]
+    fig.legend(handles=handles, loc="lower center", ncol=7, fontsize=7, frameon=False)
+    fig.suptitle("Exploratory: certified budgets")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     save_figure(fig, png, pdf)
 
 
