@@ -173,10 +173,19 @@ def design(population: dict, power: dict, timing: dict[str, dict], budget_second
 # --- amendment 5: every scorer, allocator and certain-head share, one cell per (allocator, share) -----------------
 
 # Amendment 5's factors (changes.scorers, changes.allocators, changes.certain_head_share). The scorers are the rule's
-# result at this commit (the kvcert policies tests/test_peers.py compares with a kvpress press, needing no trained
-# weights); the amendment's pilot_results name them, and a policy the rule admits before the lock is added here.
-SCORERS_5 = ("snapkv", "tova", "knorm", "expected_attention", "criticalkv", "observed_attention", "keydiff", "lagkv",
-             "cur")
+# result at the lock commit: every kvcert policy that tests/test_peers.py compares with a kvpress 0.5.5 press (the
+# press named here; where the definitions differ the test states and checks the difference) and that needs no
+# trained weights. tests/test_amendment5_design.py checks that every registered policy is here or in
+# SCORERS_5_LEFT_OUT with its reason, and that every scorer's press is compared in tests/test_peers.py.
+SCORER_PRESSES_5 = {"snapkv": "SnapKVPress", "h2o": "ObservedAttentionPress", "tova": "TOVAPress",
+                    "knorm": "KnormPress", "expected_attention": "ExpectedAttentionPress",
+                    "criticalkv": "CriticalKVPress", "observed_attention": "ObservedAttentionPress",
+                    "keydiff": "KeyDiffPress", "lagkv": "LagKVPress", "cur": "CURPress",
+                    "leverage": "LeverageScorePress", "cap": "CapPress"}
+SCORERS_5 = tuple(SCORER_PRESSES_5)
+SCORERS_5_LEFT_OUT = {
+    "streamingllm": "keeps sinks and the recent window by position: top-k of a position rule is the rule itself",
+    "uniform": "samples every token alike: it ranks nothing, so it has no top-k to compare with"}
 # Allocator -> the scorers it runs over (AdaKV and PyramidKV over snapkv only: the amendment's cost argument).
 ALLOCATORS_5 = {"uniform": SCORERS_5, "adakv": ("snapkv",), "pyramidkv": ("snapkv",)}
 SHARES_5 = (0.5, 0.8, 0.95)
