@@ -172,3 +172,32 @@ def test_the_registry_resolves_amendment_5s_choices():
         "c2": "no_cost_per_configuration", "c3": "coverage_per_configuration",
         "c6": "attribution_within_model", "c7": "recompute_within_model"}
     assert chosen["c3"].tables == ("steps",)
+
+
+def test_claims_not_decided_per_configuration_read_the_default_configuration_only(claims_doc):
+    # C1 through version 5's analysis on items that also hold other allocators and shares equals C1 on the
+    # default configuration's rows alone: a Poisson share-0.95 row that is always right, or an AdaKV top-k row
+    # that is always wrong, must not move it (they would if C1 pooled them).
+    rows = []
+    for i in range(N_ITEMS):
+        rows.append(_row(i, policy="full", design="full", budget=1.0, correct=True))
+        for b in (0.25, 0.5):
+            rows.append(_row(i, policy="snapkv", design="topk", budget=b, correct=i % 2 == 0))
+            rows.append(_row(i, policy="snapkv", design="poisson", budget=b, correct=i % 4 == 0))
+            rows.append(_row(i, policy="snapkv", design="poisson", budget=b, head_fraction=0.95, correct=True))
+            rows.append(_row(i, policy="snapkv", design="topk", budget=b, allocator="adakv", correct=False))
+    mixed = pd.DataFrame(rows)
+    default = mixed[mixed["allocator"].isna() & mixed["head_fraction"].isna()].drop(columns=["allocator",
+                                                                                           "head_fraction"])
+    chosen, run = registry.analysis(prereg.version(5, ROOT))
+    assert not strata.reads_configurations(chosen["c1"].fn) and strata.reads_configurations(chosen["c2"].fn)
+    spec = prereg.claim_spec(claims_doc, "c1")
+    opts = options_for(spec, claims_doc["conventions"], n_boot=200, seed=1)
+    on_mixed = run("c1", Tables(items=mixed), spec, claims_doc["conventions"], opts).to_dict()
+    on_default = run("c1", Tables(items=default), spec, claims_doc["conventions"], opts).to_dict()
+    assert on_mixed["details"]["components"] == on_default["details"]["components"]
+    estimates = {c["name"]: c["estimate"] for c in on_mixed["details"]["components"]}
+    assert estimates["accuracy_change[snapkv,topk,0.25]"] == pytest.approx(-50.0)
+    assert estimates["accuracy_change[snapkv,poisson,0.25]"] == pytest.approx(-75.0)
+    # a table without the columns is that configuration: returned as it is
+    assert strata.default_configuration(Tables(items=default)).items is default

@@ -151,7 +151,9 @@ def test_the_registry_derives_each_versions_analysis_from_its_data(items):
     from kvcert.analysis import registry
 
     root = prereg.find_root()
-    assert registry.analysis(prereg.version(1, root)) == (claims.REGISTRY, claims.run_claim)
+    # version 1's claims are its frozen module's; run_claim reads the default configuration's rows, which is
+    # every row of a table without allocator / head_fraction columns (tests/test_strata.py)
+    assert registry.analysis(prereg.version(1, root))[0] == claims.REGISTRY
     live, run_live = registry.analysis(prereg.version(4, root))
     frozen, run_frozen = variants.with_variants(amendment2.REGISTRY, amendment2.run_claim,
                                                 {"c5_gating": "within_model"}, "doc")

@@ -3,7 +3,7 @@
 # claims of each model alone (studies with several models).
 
 TABLES = [f"{OUT}/{name}" for name in ("claims.csv", "claims.md", "claims.tex", "reproduction.csv", "accuracy.csv",
-                                     "claims_by_model.csv")]
+                                     "claims_by_model.csv", "claims_by_policy.csv")]
 STUDY_ACCURACY = [f"{study_dir(study)}/accuracy.csv" for study in STUDIES]
 
 
@@ -34,6 +34,7 @@ rule aggregate:
         reproduction=report(f"{OUT}/reproduction.csv", category="Tables", caption="../report/reproduction.rst"),
         accuracy=f"{OUT}/accuracy.csv",
         by_model=f"{OUT}/claims_by_model.csv",
+        by_policy=f"{OUT}/claims_by_policy.csv",
     log:
         f"{OUT}/logs/aggregate.log",
     params:

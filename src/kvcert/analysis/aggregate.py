@@ -7,6 +7,10 @@ Writes, into ``--out-dir``:
 - ``accuracy.csv``: the studies' accuracy tables (``--accuracy``), one after the other;
 - ``claims_by_model.csv``: each claim on each model's cells alone, per study, when a study's cells hold
   several models (``details.by_model`` of the claim results; only the header otherwise).
+- ``claims_by_policy.csv``: every component of a claim decided per configuration (amendment 5's C2 and C3,
+  kvcert.analysis.strata), one row per (study, claim, model, scorer, allocator, certain-head share, budget,
+  component) with the verdict of its scorer by claims.yaml's rule; ``model`` is ``pooled`` for the claim over
+  every model, else the model's cells alone (only the header when no study decides a claim so).
 A study is named by the folder above a result's ``claims/`` folder. All files are written to a temporary
 name and renamed, so a failed run leaves none half-written.
 """
@@ -28,6 +32,10 @@ from kvcert.atomic import write_text_atomic
 CLAIM_COLUMNS = ["study", "prereg", "claim", "title", "component", "estimate", "ci_low", "ci_high", "threshold",
                  "verdict", "paper_verdict", "agrees", "n"]
 REPRO_COLUMNS = ["study", "quantity", "paper", "ours", "ci_low", "ci_high", "note"]
+BY_POLICY_COLUMNS = ["study", "claim", "model", "policy", "allocator", "head_fraction", "budget", "component",
+                     "estimate", "ci_low", "ci_high", "threshold", "verdict", "policy_verdict",
+                     "cert_over_true_err_median"]
+POOLED = "pooled"
 BY_MODEL_COLUMNS = ["study", "claim", "model", "component", "estimate", "ci_low", "ci_high", "threshold", "verdict",
                     "agrees", "n", "error"]
 
@@ -122,6 +130,30 @@ def by_model_table(studies: dict[str, dict[str, dict]]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=BY_MODEL_COLUMNS)
 
 
+def by_policy_table(studies: dict[str, dict[str, dict]]) -> pd.DataFrame:
+    rows = []
+    for study in sorted(studies):
+        for cid in sorted(studies[study]):
+            details = studies[study][cid].get("details", {})
+            if details.get("scope") != "per_configuration":
+                continue
+            for model, part in [(POOLED, details), *sorted((details.get("by_model") or {}).items())]:
+                if "components" not in part:  # a model whose cells could not carry the claim alone
+                    continue
+                by_policy = (part.get("verdict_by") or {}).get("policy", {})
+                ratio = part.get("cert_over_true_err_median") or {}
+                for comp in part["components"]:
+                    key = part["configurations"][comp["name"]]
+                    label = f"{key['policy']},{key['allocator']},{key['head_fraction']}"
+                    rows.append({"study": study, "claim": cid, "model": model, "policy": key["policy"],
+                                 "allocator": key["allocator"], "head_fraction": key["head_fraction"],
+                                 "budget": key.get("budget", ""), "component": comp["name"].split("[")[0],
+                                 **{c: _num(comp.get(c)) for c in ("estimate", "ci_low", "ci_high", "threshold")},
+                                 "verdict": comp.get("verdict"), "policy_verdict": by_policy.get(key["policy"]),
+                                 "cert_over_true_err_median": _num(ratio.get(label)) if ratio else None})
+    return pd.DataFrame(rows, columns=BY_POLICY_COLUMNS)
+
+
 def reproduction_table(studies: dict[str, dict[str, dict]]) -> pd.DataFrame:
     return pd.DataFrame([row for study in sorted(studies) for row in _reproduction_rows(study, studies[study])],
                         columns=REPRO_COLUMNS)
@@ -204,6 +236,7 @@ def aggregate(paths: list[Path], out_dir: Path, accuracy: list[Path] | None = No
         "claims.tex": to_latex(table),
         "reproduction.csv": reproduction_table(results).to_csv(index=False),
         "claims_by_model.csv": by_model_table(results).to_csv(index=False),
+        "claims_by_policy.csv": by_policy_table(results).to_csv(index=False),
     }
     if accuracy is not None:
         outputs["accuracy.csv"] = accuracy_tables(accuracy).to_csv(index=False)

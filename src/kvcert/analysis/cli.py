@@ -110,6 +110,8 @@ def run(cfg: dict) -> claims.ClaimResult:
 
 
 BY_MODEL_FIELDS = ("estimate", "ci_low", "ci_high", "threshold", "verdict", "agrees", "n", "component")
+# A claim decided per configuration keeps each model's components too (results/claims_by_policy.csv).
+BY_MODEL_CONFIGURATION_FIELDS = ("components", "configurations", "verdict_by", "cert_over_true_err_median")
 
 
 def claims_by_model(run_claim, claim_id: str, dirs: list[Path], needed: tuple[str, ...], spec: dict,
@@ -139,6 +141,9 @@ def claims_by_model(run_claim, claim_id: str, dirs: list[Path], needed: tuple[st
             tables = claims.Tables(**{t: data.load_cells(model_dirs, t) for t in needed})
             result = run_claim(claim_id, tables, spec, conventions, opts).to_dict()
             out[model] = {k: result[k] for k in BY_MODEL_FIELDS}
+            if result["details"].get("scope") == "per_configuration":
+                out[model].update({k: result["details"][k] for k in BY_MODEL_CONFIGURATION_FIELDS
+                                   if k in result["details"]})
         except (AnalysisError, ValueError) as err:
             out[model] = {"error": " ".join(str(err).split())}
     return out

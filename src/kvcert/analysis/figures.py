@@ -111,6 +111,56 @@ def _curve(result: ClaimResult):
     return fig
 
 
+SHARE_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+
+
+def _by_configuration(result: ClaimResult):
+    """C2 / C3 decided per configuration (``details.scope``): scorers (and allocators) in rows; C2's budgets, or
+    C3's coverage and Spearman, in columns; each certain-head share one interval, the threshold a line."""
+    details = result.details
+    configs, components = details["configurations"], details["components"]
+    column_of = (lambda name, key: f"budget {key['budget']}") if result.claim == "c2" else \
+        (lambda name, key: name.split("[")[0])
+    rows = sorted({(k["policy"], k["allocator"]) for k in configs.values()},
+                  key=lambda r: (r[1] != "uniform", r[1], r[0]))
+    columns = sorted({column_of(c["name"], configs[c["name"]]) for c in components})
+    shares = sorted({configs[c["name"]]["head_fraction"] for c in components}, key=float)
+    fig, axes = plt.subplots(1, len(columns), figsize=(3.6 * len(columns), 0.9 + 0.32 * len(rows)), sharey=True,
+                             squeeze=False)
+    offset = {h: (i - (len(shares) - 1) / 2) * 0.22 for i, h in enumerate(shares)}
+    for ax, column in zip(axes[0], columns):
+        for c in components:
+            key = configs[c["name"]]
+            if column_of(c["name"], key) != column:
+                continue
+            y = rows.index((key["policy"], key["allocator"])) + offset[key["head_fraction"]]
+            est, lo, hi = (np.nan if c.get(k) is None else float(c[k]) for k in ("estimate", "ci_low", "ci_high"))
+            color = SHARE_COLORS[shares.index(key["head_fraction"]) % len(SHARE_COLORS)]
+            ax.errorbar([est], [y], xerr=[[max(est - lo, 0.0)], [max(hi - est, 0.0)]], fmt="o", markersize=3,
+                        color=color, elinewidth=1, capsize=2)
+            if c.get("threshold") is not None:
+                ax.axvline(float(c["threshold"]), color="black", linewidth=0.8, linestyle=":")
+        ax.set_title(column, fontsize=9)
+        ax.set_xlabel("Poisson+Hajek minus top-k (points)" if result.claim == "c2" else column, fontsize=8)
+    axes[0][0].set_yticks(range(len(rows)))
+    axes[0][0].set_yticklabels([p if a == "uniform" else f"{p} / {a}" for p, a in rows], fontsize=8)
+    axes[0][0].set_ylim(len(rows) - 0.5, -0.5)  # first row on top, half a row of margin
+    handles = [plt.Line2D([], [], marker="o", linestyle="", color=SHARE_COLORS[i % len(SHARE_COLORS)],
+                          label=f"certain-head share {h}") for i, h in enumerate(shares)]
+    handles.append(plt.Line2D([], [], color="black", linestyle=":", label="pre-registered threshold"))
+    fig.legend(handles=handles, fontsize=7, loc="lower center", ncol=len(handles), bbox_to_anchor=(0.5, -0.02))
+    fig.suptitle(f"{result.claim.upper()} per scorer, allocator and certain-head share (95% intervals)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+def draw(result: ClaimResult) -> "plt.Figure":
+    """The claim's figure: per configuration where the claim was decided so, else the claim's own drawing."""
+    if result.details.get("scope") == "per_configuration":
+        return _by_configuration(result)
+    return FIGURES[result.claim](result)
+
+
 # No creation date or software string in the files: the same data give the same bytes on every run.
 REPRODUCIBLE = {"png": {"Software": None}, "pdf": {"CreationDate": None, "Producer": None, "Creator": None}}
 
@@ -137,4 +187,4 @@ def save(result: ClaimResult, figure_dir: str | Path) -> list[Path]:
     """Draw the claim's figure and write ``<figure_dir>/<claim>.png`` and ``.pdf`` (``save_figure``)."""
     figure_dir = Path(figure_dir)
     figure_dir.mkdir(parents=True, exist_ok=True)
-    return save_figure(FIGURES[result.claim](result), figure_dir / f"{result.claim}.png")
+    return save_figure(draw(result), figure_dir / f"{result.claim}.png")

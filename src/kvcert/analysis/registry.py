@@ -158,4 +158,19 @@ def analysis(version) -> Analysis:
     if version.analysis not in BASES:
         raise AnalysisError(f"{version.document}: analysis base {version.analysis!r}: unknown; known: "
                             f"{', '.join(sorted(BASES))}")
-    return with_choices(BASES[version.analysis](), dict(version.choices), version.document)
+    registry, run_claim = with_choices(BASES[version.analysis](), dict(version.choices), version.document)
+    return registry, on_default_configuration(registry, run_claim)
+
+
+def on_default_configuration(registry: dict[str, ClaimDef], run_claim: Callable[..., ClaimResult]):
+    """``run_claim`` with every claim that does not decide per configuration reading the default configuration's
+    rows only (kvcert.analysis.strata.default_configuration: the identity on tables without allocator and
+    head_fraction columns, which is every table of versions 1-4)."""
+    from kvcert.analysis import strata
+
+    def run(claim_id: str, tables: Tables, spec: dict, conventions: dict, opts: Options) -> ClaimResult:
+        definition = registry.get(claim_id)
+        if definition is not None and not strata.reads_configurations(definition.fn):
+            tables = strata.default_configuration(tables)
+        return run_claim(claim_id, tables, spec, conventions, opts)
+    return run

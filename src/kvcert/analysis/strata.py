@@ -44,10 +44,13 @@ from kvcert.analysis.variants import WithinGroupReplay
 VARIANTS: list[tuple[str, str, str, tuple[str, ...], object]] = []
 
 
-def variant(choice: str, claim: str, name: str, tables: tuple[str, ...] = ("items",)):
+def variant(choice: str, claim: str, name: str, tables: tuple[str, ...] = ("items",), *,
+            reads_configurations: bool = False):
     """Decorator: list ``fn(tables, spec, conventions, opts) -> ClaimResult`` as variant ``name`` of ``choice``
-    (replacing claim ``claim``) in VARIANTS."""
+    (replacing claim ``claim``) in VARIANTS. ``reads_configurations``: the variant tells configurations apart
+    itself and reads every row; any other claim reads ``default_configuration``'s rows only."""
     def add(fn):
+        fn.reads_configurations = reads_configurations
         VARIANTS.append((choice, claim, name, tables, fn))
         return fn
     return add
@@ -72,6 +75,31 @@ def with_configuration(df: pd.DataFrame) -> pd.DataFrame:
         out[SHARE] = DEFAULT_SHARE
     out[SHARE] = out[SHARE].astype(float).fillna(DEFAULT_SHARE)
     return out
+
+
+def reads_configurations(fn) -> bool:
+    """Whether a claim function decides per configuration (reads every row) rather than on the default's rows."""
+    return bool(getattr(fn, "reads_configurations", False))
+
+
+def default_configuration(tables: Tables) -> Tables:
+    """``tables`` restricted to versions 1-4's one configuration, the uniform allocator at the default certain-head
+    share: the rows every claim that is not decided per configuration reads (under amendment 5: C1, C4, C5, C6
+    and C7), so that a study's other configurations do not enter claims.yaml's populations. A table without the
+    ``allocator`` / ``head_fraction`` columns holds that configuration only and is returned as it is (every table
+    of versions 1-4)."""
+    return Tables(items=_default_rows(tables.items), steps=_default_rows(tables.steps))
+
+
+def _default_rows(df: pd.DataFrame | None) -> pd.DataFrame | None:
+    if df is None:
+        return None
+    keep = np.ones(len(df), dtype=bool)
+    if ALLOCATOR in df.columns:
+        keep &= df[ALLOCATOR].fillna(DEFAULT_ALLOCATOR).astype(str).eq(DEFAULT_ALLOCATOR).to_numpy()
+    if SHARE in df.columns:
+        keep &= np.isclose(df[SHARE].astype(float).fillna(DEFAULT_SHARE).to_numpy(), DEFAULT_SHARE)
+    return df if keep.all() else df[keep]
 
 
 def verdict_by(components: list[verdicts.Component], keys: dict[str, tuple]) -> dict[str, dict[str, str]]:
@@ -102,7 +130,7 @@ def policies_of(df: pd.DataFrame, pop: dict, designs: list[str]) -> tuple[list[s
 # --- C2 per configuration ----------------------------------------------------------------------------------
 
 
-@variant("c2_scope", "c2", "per_configuration")
+@variant("c2_scope", "c2", "per_configuration", reads_configurations=True)
 def no_cost_per_configuration(tables: Tables, spec: dict, conv: dict, opts: Options) -> ClaimResult:
     """C2 with one component per (policy, allocator, share, budget): Poisson+Hajek minus top-k of the same
     policy, allocator and budget, paired per item (points), items bootstrapped jointly over every component."""
@@ -147,7 +175,7 @@ def no_cost_per_configuration(tables: Tables, spec: dict, conv: dict, opts: Opti
 # --- C3 per configuration ----------------------------------------------------------------------------------
 
 
-@variant("c3_scope", "c3", "per_configuration", tables=("steps",))
+@variant("c3_scope", "c3", "per_configuration", tables=("steps",), reads_configurations=True)
 def coverage_per_configuration(tables: Tables, spec: dict, conv: dict, opts: Options) -> ClaimResult:
     """C3 with components coverage[p,a,h] and spearman[p,a,h] per (policy, allocator, share), budgets pooled,
     plus the descriptive median of certificate / true error over a configuration's step rows (its width
@@ -249,13 +277,18 @@ def attribution_within_model(tables: Tables, spec: dict, conv: dict, opts: Optio
              verdicts.decide("auc_difference", ivs[1], parts.rule(spec, "auc_difference"))]
     by_model = {m: {"n_inherent": int((~cache_induced[group == i]).sum()),
                     "n_cache_induced": int(cache_induced[group == i].sum())} for i, m in enumerate(models)}
+    # the figure: each model's ROC curves, since the AUC is computed within each model
+    roc = {f"{s}, {m}": method.roc(scores[s][group == i], cache_induced[group == i])
+           for i, m in enumerate(models) for s in ("certificate", "confidence")
+           if cache_induced[group == i].any() and (~cache_induced[group == i]).any()}
     details = {
         "ranking": "within_model", "auc_certificate": ivs[0].as_dict(),
         **{f"auc_{s}": iv.as_dict() for s, iv in zip(others, ivs[2:])},
         "n_failing_runs": int(len(failing)), "n_cache_induced": int(cache_induced.sum()),
         "n_inherent": int((~cache_induced).sum()), "classes_by_model": by_model, **data.describe(sel),
     }
-    return parts.finish(spec, comps, n, details)
+    return parts.finish(spec, comps, n, details, {"roc": roc, "positive": "cache-induced failure",
+                                                  "title": "failure attribution, within each model"})
 
 
 @variant("c7_gating", "c7", "within_model")
@@ -280,8 +313,11 @@ def recompute_within_model(tables: Tables, spec: dict, conv: dict, opts: Options
     ivs = parts.replay_intervals(rep, q, opts)
     comps = [verdicts.decide(name, ivs[name], parts.rule(spec, name))
              for name in ("gain_over_random", "gain_over_confidence")]
+    curves = parts.curves(rep, spec.get("secondary", {}).get("rate_grid", [0.0, q, 1.0]))
     details = {**{k: v.as_dict() for k, v in ivs.items()}, "recompute_rate": q, "gating": "within_model",
                "gated_models": models, "n_runs": int(len(rep.low)), "n_runs_unmatched": rep.n_unmatched_runs,
                "n_runs_by_model": {m: int((group == i).sum()) for i, m in enumerate(models)},
-               **data.describe(sel)}
-    return parts.finish(spec, comps, rep.n_clusters, details)
+               "curve": curves, **data.describe(sel)}
+    return parts.finish(spec, comps, rep.n_clusters, details,
+                        {"curve": curves, "rate": q, "xlabel": "recompute budget (fraction of each model's runs)",
+                         "title": "recompute scheduling, within each model"})
