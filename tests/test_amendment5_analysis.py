@@ -5,8 +5,8 @@ only, every row carrying head_fraction), an AdaKV cell (allocator on every row) 
 Every claim runs under version 5 and draws its figure; C2 and C3 are decided per configuration and the other
 claims read the default configuration only (so C1 equals version 4's C1 on the default cells alone); the per-model
 results keep each configuration's components, and `kvcert-aggregate` writes results/claims_by_policy.csv.
-Amendment 5 is locked in the test's temporary copy only (its status set, its frozen files written if its pilot
-has not produced them yet); the repository's copy is not touched.
+The pre-registration and the analysis sources are copied as committed, amendment 5's lock included, and the
+copy's locks are verified before any claim runs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
 
 from kvcert.analysis import aggregate, cli, prereg, synthetic
 
@@ -25,19 +24,10 @@ CLAIMS = ("c1", "c2", "c3", "c4", "c5", "c6", "c7")
 
 
 def _v5_copy(dst: Path) -> Path:
-    shutil.copytree(ROOT / "preregistration", dst / "preregistration",
-                    ignore=shutil.ignore_patterns("prereg.lock", "amendment.lock"))
+    shutil.copytree(ROOT / "preregistration", dst / "preregistration")
     shutil.copytree(ROOT / "src" / "kvcert" / "analysis", dst / "src" / "kvcert" / "analysis",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    folder = dst / "preregistration" / "amendment-5"
-    doc = yaml.safe_load((folder / "amendment.yaml").read_text())
-    doc["status"] = "Locked in a test's temporary copy only."
-    (folder / "amendment.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-    for name in ("timing.yaml", "power.yaml", "design.yaml", "population.yaml"):
-        if not (folder / name).exists():
-            (folder / name).write_text("placeholder: written by tests/test_amendment5_analysis.py\n")
-    prereg.write_lock(dst)
-    prereg.write_lock(dst, number=5)
+    prereg.verify_lock(dst, 5)
     return dst
 
 

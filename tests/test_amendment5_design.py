@@ -79,7 +79,7 @@ def test_the_draft_names_methods_that_are_registered(draft):
     assert (v5.pilot, v5.power) == ("reuse_population", "per_component_span")
     assert v5.pilot in _script("pilot").PILOTS and v5.power in _script("power").METHODS
     assert _script("pilot").POPULATION_STEPS[v5.pilot] == "whole"
-    assert not (ROOT / v5.lock).is_file()  # a DRAFT: the design rules may act on it
+    prereg.verify_lock(ROOT, 5)  # locked after these rules had acted on the DRAFT (amendment.yaml's status)
 
 
 def test_power_equals_a_hand_computation_and_the_numbers_the_draft_states(draft):
@@ -156,6 +156,12 @@ def _copy(root: Path) -> Path:
     """preregistration/ (amendment 5's DRAFT included), the frozen analysis sources and the claim JSONs the power
     rule reads, under ``root``."""
     shutil.copytree(ROOT / "preregistration", root / "preregistration")
+    # Back to the DRAFT the design rules acted on: no lock, a DRAFT status (the rest of the document is as locked).
+    (root / prereg.version(5, ROOT).lock).unlink(missing_ok=True)
+    document = root / DRAFT.relative_to(ROOT)
+    doc = yaml.safe_load(document.read_text())
+    document.write_text(yaml.safe_dump({**doc, "status": f"{prereg.DRAFT_MARK}: the DRAFT, restored by a test"},
+                                       sort_keys=False, width=110))
     shutil.copytree(ROOT / "src" / "kvcert" / "analysis", root / "src" / "kvcert" / "analysis",
                     ignore=shutil.ignore_patterns("__pycache__"))
     for study in yaml.safe_load(DRAFT.read_text())["power"]["studies"]:

@@ -49,7 +49,7 @@ def _copy(root: Path) -> Path:
     """preregistration/ and the frozen analysis sources under ``root``: versions 1-4 as locked."""
     shutil.copytree(ROOT / "preregistration", root / "preregistration")
     for document in (root / "preregistration").glob(f"amendment-*/{prereg.FOLDER_DOCUMENT}"):
-        if not (document.parent / prereg.FOLDER_LOCK).is_file():  # the repository's unlocked drafts: not 1-4
+        if yaml.safe_load(document.read_text())["version"] > 4:  # the repository's own amendments 5, ...: not 1-4
             shutil.rmtree(document.parent)
     shutil.copytree(ROOT / "src" / "kvcert" / "analysis", root / "src" / "kvcert" / "analysis",
                     ignore=shutil.ignore_patterns("__pycache__"))
