@@ -35,7 +35,7 @@ import copy
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Any, Mapping, TypedDict
+from typing import Any, Mapping, NotRequired, TypedDict
 
 import yaml
 
@@ -47,11 +47,16 @@ class ScaleError(ValueError):
 
 
 class Cell(TypedDict):
-    """One cell of a scale: a key of the scale's ``models``, its shards, its ``kvcert-run`` overrides."""
+    """One cell of a scale: a key of the scale's ``models``, its shards, its ``kvcert-run`` overrides, and, where a
+    design names it, its ``kind`` (the cell type its item count was sized for: qa, oracle or streaming)."""
 
     model: str
     shards: int
     overrides: list[str]
+    kind: NotRequired[str]
+
+
+CELL_KINDS = ("qa", "oracle", "streaming")
 
 
 # Keys an override may set: the schema's, design_options' own, and anything below the config groups and
@@ -235,7 +240,12 @@ def checked_cell(scale: Mapping[str, Any], name: str, spec: Any) -> Cell:
     for key in parse_overrides(overrides, where):
         if key not in _RUN_KEYS and key not in _DOTTED_KEYS and not key.startswith(_OPEN_PREFIXES):
             raise ScaleError(f"{where}: override {key}=...: {key} is not a kvcert-run key")
-    return Cell(model=str(spec["model"]), shards=shards, overrides=list(overrides))
+    cell = Cell(model=str(spec["model"]), shards=shards, overrides=list(overrides))
+    if "kind" in spec:
+        if spec["kind"] not in CELL_KINDS:
+            raise ScaleError(f"{where}: kind={spec['kind']!r}: expected one of {', '.join(CELL_KINDS)}")
+        cell["kind"] = spec["kind"]
+    return cell
 
 
 def studies(scale: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
