@@ -13,8 +13,10 @@ whose bounds are COLUMN_lo and COLUMN_hi (the sensitivity table) or for a claim 
 are rendered as "−". Source
 ``accuracy`` pools the matching rows of accuracy.csv over what the key leaves open (weighted by n; column n
 is their sum). Source ``table file=PATH`` reads any CSV under the results folder (an exploratory study's
-tables). Blocks: ``results-grid`` (one row per claim, one column per study; also written to
-results/claims_grid.md).
+tables). Source ``by_policy`` is results/claims_by_policy.csv (one row per study, claim, model and
+component of a per-configuration claim). Blocks: ``results-grid`` (one row per claim, one column per study; also written to
+results/claims_grid.md) and ``by-policy-<study>[-<model>]`` (a study's C2 and C3 per scorer, allocator and
+certain-head share, from results/claims_by_policy.csv; pooled over the models unless a model is named).
 
 Run by rule ``render_docs`` (workflow/rules/tables.smk), part of the default target, or by hand:
     python workflow/scripts/render_docs.py results --grid results/claims_grid.md README.md docs/studies/*.md
@@ -149,6 +151,7 @@ SOURCES = {
     "yaml": _yaml,
     "probes": _probes,
     "table": _table,
+    "by_policy": lambda results, fields: _csv(results / "claims_by_policy.csv"),
 }
 
 
@@ -167,7 +170,8 @@ def source_files(results, key):
     if source == "table":
         return [results / fields["file"]]
     return [results / {"claims": "claims.csv", "by_model": "claims_by_model.csv", "accuracy": "accuracy.csv",
-                       "reproduction": "reproduction.csv", "sensitivity": "sensitivity/sensitivity.csv"}[source]]
+                       "reproduction": "reproduction.csv", "sensitivity": "sensitivity/sensitivity.csv",
+                       "by_policy": "claims_by_policy.csv"}[source]]
 
 
 # --- values ------------------------------------------------------------------------------------------------------
@@ -290,8 +294,50 @@ def grid(claims_csv):
     return "\n".join(lines) + "\n"
 
 
-# NAME -> (results) -> the block's markdown, ending in a newline.
-BLOCKS = {"results-grid": lambda results: grid(Path(results) / "claims.csv")}
+BY_POLICY = "by-policy-"
+
+
+def by_policy(by_policy_csv, study, model="pooled"):
+    """One study's per-configuration C2 and C3 (results/claims_by_policy.csv; markdown ending in a newline): a row
+    per (scorer, allocator, certain-head share), C2's Poisson+Hajek minus top-k at each budget and C3's coverage
+    and Spearman, each "estimate [95% CI] verdict", and the median certificate / true error."""
+    rows = [r for r in _csv(Path(by_policy_csv)) if r["study"] == study and r["model"] == model]
+    if not rows:
+        raise DocError(f"{by_policy_csv}: no rows of study {study!r}, model {model!r}")
+    fmt = lambda text, spec: format(float(text), spec).replace("-", MINUS) if str(text).strip() else "n/a"  # noqa: E731
+    budgets = sorted({float(r["budget"]) for r in rows if r["claim"] == "c2" and str(r["budget"]).strip()})
+    configurations = sorted({(r["policy"], r["allocator"], float(r["head_fraction"])) for r in rows})
+    cell = {}
+    for r in rows:
+        kind = r["component"].split("[", 1)[0]
+        key = (r["policy"], r["allocator"], float(r["head_fraction"]))
+        slot = ("c2", float(r["budget"])) if r["claim"] == "c2" else ("c3", kind)
+        spec = ".1f" if r["claim"] == "c2" else ".3f"
+        cell[key, slot] = f"{fmt(r['estimate'], spec)} [{fmt(r['ci_low'], spec)}, {fmt(r['ci_high'], spec)}] {r['verdict']}"
+        if r["claim"] == "c3" and str(r.get("cert_over_true_err_median", "")).strip():
+            cell[key, ("ratio",)] = fmt(r["cert_over_true_err_median"], ".2f")
+    header = ["scorer", "allocator", "share", *(f"C2 at {b:g} (points)" for b in budgets), "C3 coverage",
+              "C3 Spearman", "certificate / true error (median)"]
+    slots = [*(("c2", b) for b in budgets), ("c3", "coverage"), ("c3", "spearman"), ("ratio",)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key in configurations:
+        lines.append("| " + " | ".join([key[0], key[1], f"{key[2]:g}", *(cell.get((key, s), "—") for s in slots)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def block(results, name):
+    """The markdown of block ``name``: results-grid, or by-policy-<study>[-<model>] (``by_policy``)."""
+    if name == "results-grid":
+        return grid(Path(results) / "claims.csv")
+    if name.startswith(BY_POLICY):
+        table = Path(results) / "claims_by_policy.csv"
+        study, model = name[len(BY_POLICY):], "pooled"
+        models = {r["model"] for r in _csv(table)}
+        for m in models:
+            if study.endswith(f"-{m}"):
+                study, model = study[:-len(m) - 1], m
+        return by_policy(table, study, model)
+    raise DocError(f"unknown block {name!r}; known: results-grid, {BY_POLICY}<study>[-<model>]")
 
 
 # --- pages -------------------------------------------------------------------------------------------------------
@@ -307,9 +353,11 @@ def render(page_text, results, where="page"):
         return f"<!-- value:{match['key']} -->{shown}<!-- /value -->"
 
     def one_block(match):
-        if match["name"] not in BLOCKS:
-            raise DocError(f"{where}: unknown block {match['name']!r}; known: {', '.join(BLOCKS)}")
-        return f"{match['open']}{BLOCKS[match['name']](results)}{match['close']}"
+        try:
+            shown = block(results, match["name"])
+        except DocError as err:
+            raise DocError(f"{where}: {err}") from None
+        return f"{match['open']}{shown}{match['close']}"
     opened = len(re.findall(r"<!-- value:", page_text))
     if opened != len(VALUE.findall(page_text)):
         raise DocError(f"{where}: a <!-- value:... --> span lacks its <!-- /value -->")
@@ -320,8 +368,11 @@ def inputs(pages, results):
     """Every file the pages' values and blocks read."""
     files = {Path(results) / "claims.csv"}
     for page in pages:
-        for match in VALUE.finditer(Path(page).read_text(encoding="utf-8")):
+        text = Path(page).read_text(encoding="utf-8")
+        for match in VALUE.finditer(text):
             files.update(source_files(results, match["key"]))
+        if any(m["name"].startswith(BY_POLICY) for m in BLOCK.finditer(text)):
+            files.add(Path(results) / "claims_by_policy.csv")
     return sorted(str(f) for f in files)
 
 
