@@ -237,7 +237,9 @@ def value(results, key):
     if extreme and rows:  # the smallest or largest of a column over every matching row
         pick = min if extreme[1] == "min" else max
         column = extreme[2]
-        rows = [pick(rows, key=lambda r: float(r[column]))]
+        # a row whose cell is empty (a study whose claim JSON lacks the quantity) has no value to compare
+        defined = [r for r in rows if str(r.get(column, "")).strip()]
+        rows = [pick(defined, key=lambda r: float(r[column]))] if defined else []
     if len(rows) != 1:
         raise DocError(f"value key {key!r}: {len(rows)} rows match, want 1")
     row = rows[0]
