@@ -232,6 +232,26 @@ def test_table_source_reads_any_csv_under_the_results(tmp_path):
                   '<!-- /value -->'
 
 
+def test_by_policy_block_is_claims_by_policy_per_configuration(tmp_path):
+    """The block reads results/claims_by_policy.csv (synthetic rows here): one line per (scorer, allocator, share),
+    C2 per budget, C3's coverage and Spearman, the median certificate / true error; a model suffix selects its rows."""
+    header = "study,claim,model,policy,allocator,head_fraction,budget,component,estimate,ci_low,ci_high,threshold," \
+             "verdict,policy_verdict,cert_over_true_err_median\n"
+    body = ("v9,c2,pooled,tova,uniform,0.8,0.25,\"poisson_minus_topk[tova,uniform,0.8,0.25]\",-2.5,-6,1,-1,inconclusive,"
+            "inconclusive,\nv9,c3,pooled,tova,uniform,0.8,,\"coverage[tova,uniform,0.8]\",0.97,0.96,0.98,0.95,supported,"
+            "supported,3.25\nv9,c3,smollm2,tova,uniform,0.8,,\"coverage[tova,uniform,0.8]\",0.9,0.8,0.99,0.95,"
+            "inconclusive,inconclusive,2\n")
+    (tmp_path / "claims_by_policy.csv").write_text(header + body)
+    page = "<!-- block:by-policy-v9:start -->\n<!-- block:by-policy-v9:end -->"
+    lines = render_script().render(page, tmp_path).splitlines()
+    assert lines[1].startswith("| scorer | allocator | share | C2 at 0.25 (points) | C3 coverage |")
+    assert lines[3] == "| tova | uniform | 0.8 | −2.5 [−6.0, 1.0] inconclusive | 0.970 [0.960, 0.980] supported | — | 3.25 |"
+    per_model = render_script().render(page.replace("v9", "v9-smollm2"), tmp_path).splitlines()
+    assert per_model[3].split(" | ")[3] == "0.900 [0.800, 0.990] inconclusive"
+    with pytest.raises(ValueError, match="no rows of study 'v8'"):  # DocError
+        render_script().render(page.replace("v9", "v8"), tmp_path)
+
+
 def test_grid_names_a_missing_column(tmp_path):
     bad = tmp_path / "claims.csv"
     bad.write_text("study,claim\nv1,c1\n")
