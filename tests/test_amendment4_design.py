@@ -126,23 +126,29 @@ def test_the_design_scales_to_the_budget_and_keeps_c6s_floor(resize):
     assert roomy["fits"] and roomy["reproduce_90_minutes"]["counts"] == roomy["powered"]["counts"]
 
 
-@pytest.mark.parametrize("scale, study, design", [("default", "v4", "reproduce_90_minutes"),
-                                                  ("v4-full", "v4-full", "powered")])
-def test_the_scales_apply_the_locked_designs_studies(scale, study, design):
-    """Study v4 (`make reproduce`) and v4-full (`make reproduce-v4-full`) reference design.yaml's studies: the file
-    names the design and copies none of its cells, and the resolved study is the locked one."""
-    locked = yaml.safe_load((ROOT / "preregistration" / "amendment-4" / "design.yaml").read_text())[design]["study"]
+@pytest.mark.parametrize("version, scale, study, design", [(4, "v4", "v4", "reproduce_90_minutes"),
+                                                           (4, "v4-full", "v4-full", "powered"),
+                                                           (5, "default", "v5", "reproduce_90_minutes"),
+                                                           (5, "v5-full", "v5-full", "powered")])
+def test_the_scales_apply_the_locked_designs_studies(version, scale, study, design):
+    """Studies v4 (`make reproduce-v4`), v4-full (`make reproduce-v4-full`), v5 (`make reproduce`) and v5-full
+    (`make reproduce-v5-full`) reference their amendment's design.yaml: the file names the design and copies none
+    of its cells, and the resolved study is the locked one."""
+    design_file = ROOT / "preregistration" / f"amendment-{version}" / "design.yaml"
+    locked = yaml.safe_load(design_file.read_text())[design]["study"]
     written = yaml.safe_load((ROOT / "workflow" / "scales" / f"{scale}.yaml").read_text())["studies"][study]
-    assert written == {"design": {"file": "../../preregistration/amendment-4/design.yaml", "study": f"{design}.study"}}
+    assert written == {"design": {"file": f"../../preregistration/amendment-{version}/design.yaml",
+                                  "study": f"{design}.study"}}
     resolved = load_scale(scale, ROOT / "workflow" / "scales")["studies"][study]
     assert resolved == locked
 
 
 def test_the_default_scale_reads_the_powered_study_as_a_record():
-    """`make reproduce` tabulates v4-full's committed results beside v4; `make reproduce-v4-full` regenerates them."""
+    """`make reproduce` tabulates v4's and v4-full's committed results beside v5; `make reproduce-v4` and
+    `make reproduce-v4-full` regenerate them."""
     default = yaml.safe_load((ROOT / "workflow" / "scales" / "default.yaml").read_text())["studies"]
-    assert default["v4-full"] == {"prereg": 4, "archived": True}
-    assert list(default)[-2:] == ["v4", "v4-full"]  # the grid's columns: v4, then its powered design
+    assert default["v4"] == default["v4-full"] == {"prereg": 4, "archived": True}
+    assert list(default)[-3:] == ["v4", "v4-full", "v5"]  # the grid's columns: v4, its powered design, then v5
 
 
 def test_the_scripts_driven_by_the_versions_data_recompute_amendment_4s_locked_files(tmp_path):

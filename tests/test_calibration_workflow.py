@@ -84,9 +84,10 @@ def test_the_default_scale_schedules_the_rule():
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = proc.stdout + proc.stderr
     assert "rule calibration_by_layer" in text or "calibration_by_layer" in text
-    # one table per study that runs cells (the default scale's v1, v2, v2-full, v3 and v4-full studies are archived:
-    # they run none)
-    assert "results/dryrun-calibration/v4/calibration/by_layer.csv" in text
+    # one table per study that runs cells (the default scale's v1, v2, v2-full, v3, v4 and v4-full studies are
+    # archived: they run none)
+    assert "results/dryrun-calibration/v5/calibration/by_layer.csv" in text
+    assert "results/dryrun-calibration/v4/calibration/by_layer.csv" not in text
     assert "results/dryrun-calibration/v3/calibration/by_layer.csv" not in text
     assert "results/dryrun-calibration/v1/calibration/by_layer.csv" not in text
     assert "results/dryrun-calibration/v2/calibration/by_layer.csv" not in text

@@ -13,7 +13,7 @@ from kvcert.analysis import prereg
 from kvcert.scales import load_scale, override_value, studies
 
 ROOT = prereg.find_root(__file__)
-RECORDS = [("v1", "v1"), ("v2", "v2"), ("v2-full", "v2-full"), ("v3", "v3"), ("default", "v4"), ("v4-full", "v4-full")]
+RECORDS = [("v1", "v1"), ("v2", "v2"), ("v2-full", "v2-full"), ("v3", "v3"), ("v4", "v4"), ("v4-full", "v4-full")]
 
 
 def _cells(scale: str, study: str) -> dict:
@@ -84,7 +84,7 @@ def test_amendment_4s_powered_record_repeats_study_v4s_oracle_cells_byte_for_byt
     shard): their step tables must be identical. Their item tables are identical too when one library made both;
     v4 was remade after the item summaries moved to the stored float32 step rows (docs/studies/v4.md), which
     changes item tables only, never step rows."""
-    v4, full = _cells("default", "v4")[cell], _cells("v4-full", "v4-full")[cell]
+    v4, full = _cells("v4", "v4")[cell], _cells("v4-full", "v4-full")[cell]
     assert v4 == full
     old, new = _manifests("v4", cell, v4), _manifests("v4-full", cell, full)
     for a, b in zip(old, new):
