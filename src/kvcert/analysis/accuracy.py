@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvcert.analysis import data
+from kvcert.analysis.strata import DEFAULT_SHARE
 from kvcert.analysis.errors import AnalysisError
 from kvcert.atomic import write_text_atomic
 
@@ -25,14 +26,24 @@ COLUMNS = ["model", "task", "setting", "policy", "design", "budget", "accuracy",
 # when any cell does, the table gains that column after ``policy`` (rows of the other cells say ``uniform``),
 # so that one policy's rows under two allocators stay apart. Tables of uniform cells alone are unchanged.
 ALLOCATOR = "allocator"
+# Likewise the certain-head share (kvcert.table_columns.SHARE_COLUMNS): when any cell ran another share, the table
+# gains ``head_fraction`` after ``design``. Only Poisson samples a tail, so only its rows keep their share; the
+# full cache and top-k do not depend on it, and their rows say the default, so that the same items run in cells
+# of several shares make one row.
+SHARE = "head_fraction"
+SAMPLED_DESIGN = "poisson"
 
 
 def accuracy_table(items: pd.DataFrame) -> pd.DataFrame:
-    """One row per (model, task, setting, policy[, allocator], design, budget) of an items table."""
+    """One row per (model, task, setting, policy[, allocator], design[, head_fraction], budget) of an items table."""
     columns = list(COLUMNS)
     if ALLOCATOR in items.columns:
         items = items.assign(**{ALLOCATOR: items[ALLOCATOR].fillna("uniform")})
         columns.insert(columns.index("policy") + 1, ALLOCATOR)
+    if SHARE in items.columns:
+        share = items[SHARE].astype(float).fillna(DEFAULT_SHARE)
+        items = items.assign(**{SHARE: share.where(items["design"].eq(SAMPLED_DESIGN), DEFAULT_SHARE)})
+        columns.insert(columns.index("design") + 1, SHARE)
     keys = [c for c in ("model", "task") if c in items.columns] + columns[columns.index("setting"):-2]
     rows = []
     for values, group in items.groupby(keys, sort=True):
