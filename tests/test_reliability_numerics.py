@@ -168,3 +168,18 @@ def test_low_precision_model_certificates_are_finite(tiny_models, dtype, option,
         assert min(tail_counts) <= 1 and max(tail_counts) <= 8, tail_counts
     if option == "all-certain":
         assert max(tail_counts) == 0
+
+
+@pytest.mark.parametrize("policy", ["leverage", "cur"])
+def test_a_drawing_policys_scores_do_not_depend_on_the_global_generator(tiny_models, policy):
+    """Scores of a policy that draws a sketch (leverage by default, cur with sketch_dimension) are the same for the
+    same prompt whatever consumed torch's global generator before: two prefills, the global generator advanced in
+    between. (Reading the global generator made a cell's leverage rows depend on what its process ran first.)"""
+    model = tiny_models[torch.bfloat16]
+    context = torch.randint(0, VOCAB, (1, CONTEXT), generator=torch.Generator().manual_seed(2))
+    options = {"cur": {"sketch_dimension": 8}}
+    first = kvcert.prefill(model, context, pre_rope_keys=True, policy_options=options).scores(policy)
+    torch.randn(1000)  # what a model load or an earlier item may draw
+    second = kvcert.prefill(model, context, pre_rope_keys=True, policy_options=options).scores(policy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert not torch.equal(first[0], first[1])  # the layers' own scores (and sketches), not one copy

@@ -84,10 +84,13 @@ class Prefill:
         return views
 
     def scores(self, policy_name: str) -> list[torch.Tensor]:
-        """Per-layer scores (batch, kv_heads, n) of a policy, computed once per prefill."""
+        """Per-layer scores (batch, kv_heads, n) of a policy, computed once per prefill. A policy that draws (a
+        sketched leverage) draws layer i's from a generator seeded i, never from torch's global generator, whose
+        state depends on whatever ran before in the process (a model conversion, a resumed shard)."""
         if policy_name not in self._scores:
             policy = get_policy(policy_name, **self.policy_options.get(policy_name, {}))
-            self._scores[policy_name] = [policy.score(view) for view in self.layer_views()]
+            self._scores[policy_name] = [policy.score(view, torch.Generator().manual_seed(i))
+                                         for i, view in enumerate(self.layer_views())]
         return self._scores[policy_name]
 
 
