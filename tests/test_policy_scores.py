@@ -486,6 +486,16 @@ def test_cur_sketch_is_the_generators_gaussian_projection():
     np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=ATOL)
     other = policy.score(view, torch.Generator().manual_seed(12))[0].double().numpy()
     assert np.abs(other - expected).max() > 1e-3
+    _assert_default_generator_is_seeded_zero(policy, view)
+
+
+def _assert_default_generator_is_seeded_zero(policy, view):
+    """Without a generator a sketched policy draws from one seeded 0, whatever torch's global generator holds."""
+    seeded_zero = policy.score(view, torch.Generator().manual_seed(0))
+    torch.manual_seed(123)
+    first = policy.score(view)
+    torch.randn(5)  # moves the global generator: the default must not follow it
+    assert torch.equal(first, seeded_zero) and torch.equal(policy.score(view), seeded_zero)
 
 
 # --------------------------------------------------------------------------- Cap, LeverageScore
@@ -571,6 +581,7 @@ def test_leverage_is_the_ridge_leverage_of_the_centred_keys_before_rope():
     sketched = policy.score(view, torch.Generator().manual_seed(7))[0].double().numpy()
     np.testing.assert_allclose(sketched, leverage_reference(keys, 1e-2, sketch), rtol=1e-5, atol=1e-7)
     assert np.abs(policy.score(view, torch.Generator().manual_seed(8))[0].double().numpy() - sketched).max() > 1e-3
+    _assert_default_generator_is_seeded_zero(policy, view)
     # the keys before RoPE are read, not the cached keys
     assert np.abs(leverage_reference(_states(view)[0], 1e-9) - exact).max() > 1e-3
 

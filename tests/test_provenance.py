@@ -39,6 +39,8 @@ def test_code_fingerprint_follows_library_files_and_nothing_else(tmp_path):
     assert provenance.code_fingerprint(copy) == base  # the analysis has its own fingerprint
     (copy / "conf" / "claim" / "claim.yaml").write_text((copy / "conf" / "claim" / "claim.yaml").read_text() + "\n")
     assert provenance.code_fingerprint(copy) == base
+    (copy / "scales.py").write_text((copy / "scales.py").read_text() + "\n# which cells, not their numbers\n")
+    assert provenance.code_fingerprint(copy) == base  # a cell reruns when its overrides change, not the reader
     for edited in ("estimator.py", "kernels/hajek_step.cpp", "conf/run.yaml", "data/assets/longbench.yaml"):
         path = copy / edited
         original = path.read_bytes()

@@ -159,16 +159,22 @@ def _grouped(layer: CompressedLayer, query: torch.Tensor, sliding: int | None, o
     return query.reshape(b, hk, group * m, d), q_pos, grouped_bias
 
 
-def _sdpa(query, grouped_q, key, value, grouped_bias, scale: float) -> torch.Tensor:
-    mask = grouped_bias.to(query.dtype) if grouped_bias is not None else None
-    out = F.scaled_dot_product_attention(grouped_q, key, value, attn_mask=mask, scale=scale)
+def _grouped_sdpa(grouped_q, key, value, grouped_bias, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """SDPA of the grouped queries (b, kv_heads, group·m, d) with the bias cast to ``dtype`` (the query's):
+    (b, kv_heads, group·m, dv)."""
+    mask = grouped_bias.to(dtype) if grouped_bias is not None else None
+    return F.scaled_dot_product_attention(grouped_q, key, value, attn_mask=mask, scale=scale)
+
+
+def _ungroup(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """(b, kv_heads, group·m, dv) -> (b, hq, m, dv) in the query's dtype."""
     return out.to(query.dtype).reshape(*query.shape[:-1], -1)
 
 
 def full_cache_attention(layer: CompressedLayer, query, key, value, scale: float, sliding: int | None):
     """An uncompressed layer: attention over all its slots with the causal/window mask, (b, hq, m, d)."""
     grouped_q, _, grouped_bias = _grouped(layer, query, sliding, offset=False)
-    return _sdpa(query, grouped_q, key, value, grouped_bias, scale)
+    return _ungroup(_grouped_sdpa(grouped_q, key, value, grouped_bias, query.dtype, scale), query)
 
 
 def compressed_attention(layer: CompressedLayer, query, key, value, scale: float, sliding: int | None,
@@ -176,23 +182,20 @@ def compressed_attention(layer: CompressedLayer, query, key, value, scale: float
     """A compressed layer without certificate: the Hájek offset −log π as an additive bias, (b, hq, m, d); the
     rows of ``ctx``'s decode-time samplers get their sample's estimate."""
     grouped_q, q_pos, grouped_bias = _grouped(layer, query, sliding, offset=True)
-    if ctx is None or not ctx.samplers:
-        return _sdpa(query, grouped_q, key, value, grouped_bias, scale)
-    mask = grouped_bias.to(query.dtype) if grouped_bias is not None else None
-    out = F.scaled_dot_product_attention(grouped_q, key, value, attn_mask=mask, scale=scale)
-    out = _sampled_rows(ctx, layer_idx, layer, grouped_q, q_pos, out, scale, sliding)
-    return out.to(query.dtype).reshape(*query.shape[:-1], -1)
+    out = _grouped_sdpa(grouped_q, key, value, grouped_bias, query.dtype, scale)
+    if ctx is not None and ctx.samplers:
+        out = _sampled_rows(ctx, layer_idx, layer, grouped_q, q_pos, out, scale, sliding)
+    return _ungroup(out, query)
 
 
 def _sampled_rows(ctx: AttentionContext, layer_idx: int, layer: CompressedLayer, grouped_q: torch.Tensor,
                   q_pos: torch.Tensor, out: torch.Tensor, scale: float, sliding: int | None) -> torch.Tensor:
-    """``out`` (b, kv_heads, group·m, dv) with each sampled row's output replaced by its sampler's estimate.
+    """A copy of ``out`` (b, kv_heads, group·m, dv) with each row of ``ctx.samplers`` (callers check that there is
+    one) replaced by its sampler's estimate.
 
     grouped_q: (b, kv_heads, group·m, d); q_pos: (b, kv_heads, m), the query positions (a grouped row g·m + t is
-    query position t). Returns a new tensor when some row is sampled, else ``out``.
+    query position t).
     """
-    if not ctx.samplers:
-        return out
     out = out.clone()
     group = grouped_q.shape[2] // q_pos.shape[-1]
     for row, samplers in ctx.samplers.items():

@@ -128,6 +128,10 @@ def poisson_design(scores: torch.Tensor, budget: float, options: DesignOptions, 
     return _pack(keep, torch.log(pi))
 
 
+# The one refusal of design clt without a target (kvcert.targets.check_target raises it for callers' keys).
+CLT_NEEDS_TARGET = "design='clt' samples at decode time against a target: give target_error (and target_delta)"
+
+
 def clt_design(scores: torch.Tensor, budget: float, options: DesignOptions, generator=None, certain_top_slice=True,
                allocation: LayerBudget | None = None, *, sampler_options: CLTOptions | None = None) -> Selection:
     """Keep every slot (π = 1) and estimate attention at decode time with a CLT-sized importance sample drawn anew
@@ -135,7 +139,7 @@ def clt_design(scores: torch.Tensor, budget: float, options: DesignOptions, gene
     memory. scores: (1, kv_heads, n), the proposal; sampler_options: the target (ε, δ) and the sampler's knobs (its
     ``max_fraction`` caps the draws per query at that share of n; None: the budget's share)."""
     if sampler_options is None:
-        raise ValueError("design='clt' samples at decode time against a target: give target_error (and target_delta)")
+        raise ValueError(CLT_NEEDS_TARGET)
     if allocation is not None and allocation.pooled:
         raise ValueError("design='clt' keeps every slot: an allocator has nothing to allocate")
     if scores.shape[0] != 1:

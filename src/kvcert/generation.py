@@ -477,11 +477,10 @@ def clt_selections(state: Prefill, policy: str, budget: float, seed: int, option
     """Design clt's per-layer selections: every slot kept, each layer's decode-time sampler drawing from the
     policy's scores against ``target`` (ε, δ), the sinks and recent window of ``options`` kept exactly, the draws
     per query capped at the context's token count (past it, attending to every token costs less than sampling;
-    the budget does not apply: nothing is evicted); one generator seeded by ``seed`` for the row's layers."""
-    if target is None:
-        raise ValueError("design='clt' samples at decode time against a target: give target_error (and target_delta)")
-    sampler_options = CLTOptions(epsilon=target.error, delta=target.delta, n_sink=options.n_sink,
-                                 n_recent=options.n_recent, max_fraction=1.0)
+    the budget does not apply: nothing is evicted); one generator seeded by ``seed`` for the row's layers.
+    Without a target ``clt_design`` refuses (no sampler options)."""
+    sampler_options = None if target is None else CLTOptions(
+        epsilon=target.error, delta=target.delta, n_sink=options.n_sink, n_recent=options.n_recent, max_fraction=1.0)
     generator = torch.Generator().manual_seed(int(seed))
     return [clt_design(scores, budget, options, generator, sampler_options=sampler_options)
             for scores in state.scores(policy)]

@@ -51,10 +51,7 @@ class CLTOptions:
     max_fraction: float | None = None
 
     def __post_init__(self):
-        if not self.epsilon > 0:
-            raise ValueError(f"epsilon={self.epsilon!r}: must be > 0")
-        if not 0.0 < self.delta < 1.0:
-            raise ValueError(f"delta={self.delta!r}: must lie in (0, 1)")
+        check_epsilon_delta(self.epsilon, self.delta)
         if not 0.0 <= self.uniform_share <= 1.0:
             raise ValueError(f"uniform_share={self.uniform_share!r}: must lie in [0, 1]")
 
@@ -76,18 +73,28 @@ class CLTSample:
     size: int
 
 
-def clt_sample_size(x: torch.Tensor, epsilon: float, delta: float) -> int:
-    """⌈z² (M̂₂ − D̂²) / (ε² D̂²)⌉ from the pilot's (m0,) ratios x = w/s, z = Φ⁻¹(1 − δ/2); 0 if D̂ = 0."""
+def check_epsilon_delta(epsilon: float, delta: float) -> None:
+    """One line for a bad target: ε must be > 0, δ must lie in (0, 1)."""
     if not epsilon > 0:
         raise ValueError(f"epsilon={epsilon!r}: must be > 0")
     if not 0.0 < delta < 1.0:
         raise ValueError(f"delta={delta!r}: must lie in (0, 1)")
-    x = x.to(torch.float64)
-    mean, second = float(x.mean()), float(x.square().mean())
-    if mean <= 0:
-        return 0
+
+
+def clt_bound(mean: torch.Tensor, second: torch.Tensor, epsilon: float, delta: float) -> torch.Tensor:
+    """The CLT sample size ⌈z² (M̂₂ − D̂²) / (ε² D̂²)⌉ per row, z = Φ⁻¹(1 − δ/2), from the pilot's moments
+    mean = D̂ and second = M̂₂ (r,), in their dtype (not rounded to integers' type); 0 where D̂ ≤ 0."""
     z = NormalDist().inv_cdf(1.0 - delta / 2.0)
-    return int(math.ceil(z * z * max(second - mean * mean, 0.0) / (epsilon * epsilon * mean * mean)))
+    variance = (second - mean * mean).clamp_min(0.0)
+    bound = torch.ceil(z * z * variance / (epsilon * epsilon * mean.square()).clamp_min(torch.finfo(mean.dtype).tiny))
+    return torch.where(mean > 0, bound, torch.zeros_like(bound))
+
+
+def clt_sample_size(x: torch.Tensor, epsilon: float, delta: float) -> int:
+    """``clt_bound`` of one pilot's (m0,) ratios x = w/s, in float64."""
+    check_epsilon_delta(epsilon, delta)
+    x = x.to(torch.float64)
+    return int(clt_bound(x.mean().reshape(1), x.square().mean().reshape(1), epsilon, delta)[0])
 
 
 def clt_weights(logits: torch.Tensor, allowed: torch.Tensor, exact: torch.Tensor, proposal: torch.Tensor, *,
@@ -105,10 +112,7 @@ def clt_weights(logits: torch.Tensor, allowed: torch.Tensor, exact: torch.Tensor
     pilot's (D̂, M̂₂); draws (r, max m) long positions drawn, pilot first, −1 past each row's m. Float64 when
     ``logits`` is, else float32.
     """
-    if not epsilon > 0:
-        raise ValueError(f"epsilon={epsilon!r}: must be > 0")
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta={delta!r}: must lie in (0, 1)")
+    check_epsilon_delta(epsilon, delta)
     if pilot < 1:
         raise ValueError(f"pilot={pilot}: must be >= 1")
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -129,10 +133,7 @@ def clt_weights(logits: torch.Tensor, allowed: torch.Tensor, exact: torch.Tensor
     first = torch.multinomial(law.cpu().float(), pilot, replacement=True, generator=generator).to(logits.device)
     x = w.gather(-1, first) / law.gather(-1, first)
     mean, second = x.mean(-1), x.square().mean(-1)
-    z = NormalDist().inv_cdf(1.0 - delta / 2.0)
-    variance = (second - mean * mean).clamp_min(0.0)
-    bound = torch.ceil(z * z * variance / (epsilon * epsilon * mean.square()).clamp_min(torch.finfo(dtype).tiny))
-    bound = torch.where(mean > 0, bound, torch.zeros_like(bound))
+    bound = clt_bound(mean, second, epsilon, delta)
     sizes = torch.maximum(bound, torch.full_like(bound, float(pilot)))
     if max_draws is not None:
         cap = torch.as_tensor(max_draws, dtype=dtype, device=logits.device).expand(r)
@@ -242,4 +243,5 @@ class DecodeSampler:
         return torch.matmul(weights, values.float()) / weights.sum(-1, keepdim=True)
 
 
-__all__ = ["CLTOptions", "DecodeSampler", "CLTSample", "clt_importance_attention", "clt_sample_size", "clt_weights", "exact_slots"]
+__all__ = ["CLTOptions", "CLTSample", "DecodeSampler", "check_epsilon_delta", "clt_bound", "clt_importance_attention",
+           "clt_sample_size", "clt_weights", "exact_slots"]

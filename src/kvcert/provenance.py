@@ -1,7 +1,8 @@
 """Which code made a number: fingerprints of the code and of the checkout it was imported from.
 
 - ``code_fingerprint()``: sha256 over the code that decides a cell's numbers: every file of the installed
-  ``kvcert`` package except the analysis package (modules, the kernel source, configs, data assets), plus
+  ``kvcert`` package except the analysis package and the scale files' reader (modules, the kernel source,
+  configs, data assets), plus
   the versions of torch and transformers. A cell records it; a resumed cell refuses checkpoints of another;
   the workflow reruns a cell when it changes.
 - ``analysis_fingerprint(root)``: sha256 over the analysis package, its config and the pre-registration
@@ -26,8 +27,11 @@ from importlib import metadata
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
-# Parts of the package that decide no cell's numbers: the analysis and its config (their own fingerprint).
+# Parts of the package that decide no cell's numbers: the analysis and its config (their own fingerprint) ...
 _NOT_CELL_CODE = ("analysis", "conf/claim")
+# ... and the scale files' reader, which decides which cells a scale runs and with which overrides: the workflow
+# reruns a cell when its overrides change (the cell rule's own parameters), not when the reader's code does.
+_NOT_NUMBERS = ("scales.py",)
 _SKIP_DIRS = ("__pycache__",)
 _SKIP_SUFFIXES = (".pyc", ".pyo", ".so")
 # Versions that change numbers without a change of our code.
@@ -75,7 +79,8 @@ def _version(package: str) -> str:
 def code_fingerprint(package: Path = PACKAGE) -> str:
     """sha256 (hex) of the cell code: the package's files except ``analysis/``, plus torch and transformers
     versions. Independent of where the package lives and of file times."""
-    entries = [(p.relative_to(package).as_posix(), p.read_bytes()) for p in _files(package, _NOT_CELL_CODE)]
+    entries = [(p.relative_to(package).as_posix(), p.read_bytes())
+               for p in _files(package, _NOT_CELL_CODE + _NOT_NUMBERS)]
     entries += [(f"version:{name}", _version(name).encode()) for name in _RUNTIME]
     return _digest(entries)
 

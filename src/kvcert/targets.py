@@ -35,7 +35,7 @@ import torch
 from .calibration import DESIGN as DESIGN_CORRECTION
 from .calibration import ROUNDING, Calibration
 from .run_schema import DELTA
-from .designs import TARGET_DESIGNS, DesignOptions, Selection, _pack
+from .designs import CLT_NEEDS_TARGET, TARGET_DESIGNS, DesignOptions, Selection, _pack
 from .estimator import compute_dtype
 from .policies.base import LayerView
 from .sampling import certain_mask, minimum_count, poisson_sample, retained_count
@@ -440,8 +440,7 @@ def check_target(design: str, target_error, target_delta) -> Target | None:
         if target_delta is not None:
             raise ValueError(f"target_delta={target_delta!r} is set but target_error is null: give both or neither")
         if design == "clt":
-            raise ValueError("design='clt' samples at decode time against a target: give target_error (and "
-                             "target_delta)")
+            raise ValueError(CLT_NEEDS_TARGET)
         return None
     if design not in TARGET_DESIGNS:
         raise ValueError(f"target_error={target_error!r} needs design 'poisson' (a Poisson sample of the chosen size) "

@@ -177,15 +177,17 @@ def nonidentifiability_demo(
     u = torch.randn(h, 1, d, generator=g)
     u = u / u.norm(dim=-1, keepdim=True)
 
-    base = design(pol.score(state.view(), torch.Generator().manual_seed(seed)), budget, DesignOptions(), generator=torch.Generator().manual_seed(seed))
+    def seeded() -> torch.Generator:  # a fresh generator per draw: every c sees the same sketch and sample
+        return torch.Generator().manual_seed(seed)
+
+    base = design(pol.score(state.view(), seeded()), budget, DesignOptions(), generator=seeded())
     evicted = torch.ones(h, n, dtype=torch.bool)
     evicted.scatter_(-1, base.index[0], False)
     reference = None
     errors, error_vectors, identical = [], [], True
     for c in scales:
         values = state.values + float(c) * u * evicted.unsqueeze(-1).float()
-        scores = pol.score(state.view(values), torch.Generator().manual_seed(seed))  # same sketch for every c
-        sel = design(scores, budget, DesignOptions(), generator=torch.Generator().manual_seed(seed))
+        sel = design(pol.score(state.view(values), seeded()), budget, DesignOptions(), generator=seeded())
         index = sel.index[0]
         kept_k = state.keys.gather(1, index.unsqueeze(-1).expand(-1, -1, d))
         kept_v = values.gather(1, index.unsqueeze(-1).expand(-1, -1, d))

@@ -37,11 +37,13 @@ class CUR:
 
     def score(self, view: LayerView, generator: torch.Generator | None = None) -> torch.Tensor:
         """(batch, kv_heads, n); with ``sketch_dimension`` the (head_dim, r) sketch is drawn from ``generator`` (on
-        the CPU, then moved; None: torch's global generator), one per call, shared by every head: a generator seeded
-        s draws what ``torch.manual_seed(s)`` followed by ``torch.randn(head_dim, r)`` would."""
+        the CPU, then moved; None: a generator seeded 0, so that the scores are a function of the view), one per
+        call, shared by every head: a generator seeded s draws what ``torch.manual_seed(s)`` followed by
+        ``torch.randn(head_dim, r)`` would."""
         keys, values = view.keys.float(), view.values.float()  # (batch, kv_heads, n, head_dim)
         if self.sketch_dimension is not None:
             r = self.sketch_dimension
+            generator = generator if generator is not None else torch.Generator().manual_seed(0)
             sketch = torch.randn(keys.shape[-1], r, generator=generator) / math.sqrt(r)
             sketch = sketch.to(keys.device)
             keys, values = keys @ sketch, values @ sketch

@@ -37,11 +37,13 @@ class LeverageScore:
 
     def score(self, view: LayerView, generator: torch.Generator | None = None) -> torch.Tensor:
         """(batch, kv_heads, n) float32; with ``sketch_dimension`` one (head_dim, r) sketch per (batch, KV head)
-        is drawn from ``generator`` (on the CPU; None: torch's global generator): a generator seeded s draws what
-        ``torch.manual_seed(s)`` followed by ``torch.randn(batch, kv_heads, head_dim, r)`` would."""
+        is drawn from ``generator`` (on the CPU; None: a generator seeded 0, so that the scores are a function of
+        the view): a generator seeded s draws what ``torch.manual_seed(s)`` followed by
+        ``torch.randn(batch, kv_heads, head_dim, r)`` would."""
         if view.pre_rope_keys is None:
             raise ValueError("policy leverage needs the keys before RoPE, which were not collected "
                              "(prefill(..., pre_rope_keys=True))")
+        generator = generator if generator is not None else torch.Generator().manual_seed(0)
         return leverage_scores(view.pre_rope_keys, self.sketch_dimension, self.ridge, generator).float()
 
 
