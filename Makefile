@@ -141,7 +141,7 @@ reproduce-v5-full: install
 reproduce-full: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v2-full
 
-## Amendment 4's powered design, study v4-full (workflow/scales/v4-full.yaml, copied from
+## Amendment 4's powered design, study v4-full (workflow/scales/v4-full.yaml, read from
 ## preregistration/amendment-4/design.yaml): estimated 15,829 cell-seconds (about 2.2 hours); it took 2 h 46 min on 2 cores.
 reproduce-v4-full: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v4-full

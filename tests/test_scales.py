@@ -133,6 +133,21 @@ def test_substitution_rules():
     assert substitute_overrides(["a=1", "+b=2"], {"b": [1, 2], "c": True}) == ["a=1", "b=[1,2]", "c=true"]
 
 
+# A templated study (amendments 2 and 3) and its template: one model m, one kind qa.
+TEMPLATED = "models: {{m: [model=x]}}\nstudies: {{s: {{prereg: 2, template: t.{tfile}, counts: {{file: {counts}, key: {key}}}, shards: {{qa-m: 2}}, fill: {{seed: [data.seed=3]}}}}}}\n"
+TEMPLATE = "models: {m: {fill: {task: [data.tasks=x]}}}\nkinds: {qa: {count: question_aware, overrides: ['{task}', '{seed}', 'n_items={items}']}}\n"
+
+
+def test_a_templated_study_fills_its_template_and_reads_its_counts(tmp_path):
+    (tmp_path / "a.yaml").write_text(TEMPLATED.format(tfile="yaml", counts="c.yaml", key="n"))
+    (tmp_path / "t.yaml").write_text(TEMPLATE)
+    (tmp_path / "c.yaml").write_text("n: {m: {question_aware: 7}}\n")  # by model and count key
+    cell = studies(load_scale("a", tmp_path))["s"]["cells"]["qa-m"]
+    assert dict(cell) == {"model": "m", "shards": 2, "overrides": ["data.tasks=x", "data.seed=3", "n_items=7"]}
+    (tmp_path / "c.yaml").write_text("n: {qa-m: 5, m: {question_aware: 7}}\n")  # the cell's own count first
+    assert studies(load_scale("a", tmp_path))["s"]["cells"]["qa-m"]["overrides"][-1] == "n_items=5"
+
+
 BAD_SCALES = {  # name -> (files written, the message)
     "loop": ({"a": "base: b\n", "b": "base: a\n"}, "base chain loops"),
     "no-base": ({"a": "substitute: {outdir: x}\n"}, "'substitute' needs a 'base'"),
@@ -145,6 +160,17 @@ BAD_SCALES = {  # name -> (files written, the message)
     "design-and-cells": ({"a": "studies: {s: {prereg: 4, design: {file: a.yaml, study: x}}}\n"},
                          "a.yaml: study s: design: prereg: a study that applies a design takes its prereg and cells"),
     "design-shape": ({"a": "studies: {s: {design: d.yaml}}\n"}, "a.yaml: study s: design='d.yaml': expected a mapping"),
+    "template-keys": ({"a": "studies: {s: {prereg: 2, template: t.yaml, counts: {file: c.yaml, key: n}}}\n"},
+                      "a.yaml: study s: shards: a templated study takes prereg, template, counts, shards"),
+    "template-missing": ({"a": TEMPLATED.format(tfile="yml", counts="c.yaml", key="n"), "c": "n: {qa-m: 3}\n"},
+                         r"a.yaml: study s: template=t.yml: no such file \(paths are relative to the scale file\)"),
+    "template-count": ({"a": TEMPLATED.format(tfile="yaml", counts="c.yaml", key="n"), "c": "n: {qa-other: 3}\n", "t": TEMPLATE},
+                       "a.yaml: study s: cell qa-m: c.yaml n has no count for qa-m nor for m.question_aware"),
+    "template-key": ({"a": TEMPLATED.format(tfile="yaml", counts="c.yaml", key="n.x"), "c": "n: {qa-m: 3}\n", "t": TEMPLATE},
+                     "a.yaml: study s: counts.key=n.x: n.x is not in c.yaml"),
+    "template-fill": ({"a": TEMPLATED.format(tfile="yaml", counts="c.yaml", key="n"), "c": "n: {qa-m: 3}\n",
+                       "t": TEMPLATE.replace("'{seed}'", "'{other}'")},
+                      r"a.yaml: study s: cell qa-m: override \{other\}: no fill named other"),
 }
 
 

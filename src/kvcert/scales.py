@@ -15,6 +15,15 @@ relative to the scale file>, study: <dotted key of the design's study>}``, e.g. 
 ../../preregistration/amendment-4/design.yaml, study: powered.study}``. The design's study (its ``prereg`` and
 ``cells``) becomes the study's; the scale adds nothing to it, so the scale runs exactly what was locked.
 
+A study whose locked design gives item counts but no cells (amendments 2 and 3) builds them from a cell
+``template``: ``{prereg, template: <path>, counts: {file, key}, shards: {cell: n}, fill: {name: [overrides]}}``.
+The template file lists ``models`` (each with its own ``fill``) and ``kinds`` (each an override list and the
+``count`` key it is sized by); the study runs one cell per model and kind, named ``<kind>-<model>``, model by
+model. An override that is exactly ``{name}`` is replaced by the model's, else the study's, ``fill`` list of that
+name (which may be empty); ``{items}`` in an override is the cell's count: the design's entry for the cell's name,
+else its entry for the model and the kind's ``count`` key. So the overrides several cells share are written once,
+in the template, and the counts are read from the locked file, not copied.
+
 A derived scale names a ``base`` scale and lists only ``substitute``: dotted paths into the base and
 what replaces them. A substitute that is a mapping applied to a list of ``key=value`` overrides
 replaces those keys in the list (appending the keys the list lacks); any other substitute replaces the
@@ -117,9 +126,87 @@ def _with_designs(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     if not isinstance(raw.get("studies"), dict):
         return raw
     out = dict(raw)
-    out["studies"] = {name: _design_study(name, spec, path) if isinstance(spec, dict) and "design" in spec else spec
+    out["studies"] = {name: _design_study(name, spec, path) if isinstance(spec, dict) and "design" in spec
+                      else _templated_study(name, spec, path) if isinstance(spec, dict) and "template" in spec
+                      else spec
                       for name, spec in raw["studies"].items()}
     return out
+
+
+def _read_yaml(where: str, base: Path, relative: Any) -> Any:
+    """The YAML file at ``relative`` (to the directory ``base``), or a ScaleError naming ``where``."""
+    found = (base / str(relative)).resolve()
+    if not found.is_file():
+        raise ScaleError(f"{where}={relative}: no such file (paths are relative to the scale file)")
+    try:
+        return yaml.safe_load(found.read_text())
+    except yaml.YAMLError as err:
+        raise ScaleError(f"{where}={relative}: not valid YAML ({' '.join(str(err).split())})") from None
+
+
+def _dotted(found: Any, key: str, where: str, file: str) -> Any:
+    for depth, part in enumerate(key.split(".")):
+        if not isinstance(found, dict) or part not in found:
+            raise ScaleError(f"{where}={key}: {'.'.join(key.split('.')[: depth + 1])} is not in {file}")
+        found = found[part]
+    return found
+
+
+TEMPLATE_KEYS = ("prereg", "template", "counts", "shards", "fill")
+
+
+def _templated_study(name: str, spec: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The study ``name`` of the scale file ``path`` built from its cell template and its design's counts."""
+    where = f"{path.name}: study {name}"
+    unknown = sorted(set(spec) - set(TEMPLATE_KEYS))
+    missing = [key for key in TEMPLATE_KEYS[:4] if key not in spec]
+    if unknown or missing:
+        raise ScaleError(f"{where}: {(unknown or missing)[0]}: a templated study takes "
+                         f"{', '.join(TEMPLATE_KEYS[:4])} and optionally fill")
+    template = _read_yaml(f"{where}: template", path.parent, spec["template"])
+    if not isinstance(template, dict) or not isinstance(template.get("models"), dict) \
+            or not isinstance(template.get("kinds"), dict):
+        raise ScaleError(f"{where}: template={spec['template']}: expected a mapping with models and kinds")
+    ref = spec["counts"]
+    if not isinstance(ref, dict) or sorted(ref) != ["file", "key"]:
+        raise ScaleError(f"{where}: counts={ref!r}: expected a mapping of file and key")
+    counts = _dotted(_read_yaml(f"{where}: counts.file", path.parent, ref["file"]), str(ref["key"]),
+                     f"{where}: counts.key", str(ref["file"]))
+    fill = spec.get("fill") or {}
+    cells = {}
+    for model, model_spec in template["models"].items():
+        model_fill = (model_spec or {}).get("fill") or {}
+        for kind, kind_spec in template["kinds"].items():
+            cell = f"{kind}-{model}"
+            at = f"{where}: cell {cell}"
+            if cell in counts:
+                items = counts[cell]
+            elif isinstance(counts.get(model), dict) and kind_spec.get("count") in counts[model]:
+                items = counts[model][kind_spec["count"]]
+            else:
+                raise ScaleError(f"{at}: {ref['file']} {ref['key']} has no count for {cell} nor for "
+                                 f"{model}.{kind_spec.get('count')}")
+            if cell not in (spec["shards"] or {}):
+                raise ScaleError(f"{at}: shards.{cell} is missing")
+            overrides = []
+            for override in kind_spec.get("overrides") or []:
+                text = str(override)
+                if text.startswith("{") and text.endswith("}") and "=" not in text:
+                    placeholder = text[1:-1]
+                    if placeholder in model_fill:
+                        overrides += [str(o) for o in model_fill[placeholder] or []]
+                    elif placeholder in fill:
+                        overrides += [str(o) for o in fill[placeholder] or []]
+                    else:
+                        raise ScaleError(f"{at}: override {text}: no fill named {placeholder} (the model's in "
+                                         f"{spec['template']}, or the study's)")
+                else:
+                    overrides.append(text.replace("{items}", str(items)))
+            cells[cell] = {"model": model, "shards": spec["shards"][cell], "overrides": overrides}
+    extra = sorted(set(spec["shards"]) - set(cells))
+    if extra:
+        raise ScaleError(f"{where}: shards.{extra[0]}: not a cell of the template ({', '.join(cells)})")
+    return {"prereg": spec["prereg"], "cells": cells}
 
 
 def _design_study(name: str, spec: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -131,18 +218,8 @@ def _design_study(name: str, spec: dict[str, Any], path: Path) -> dict[str, Any]
     extra = sorted(set(spec) - {"design"})
     if extra:
         raise ScaleError(f"{where}: {extra[0]}: a study that applies a design takes its prereg and cells from it")
-    design_file = (path.parent / str(ref["file"])).resolve()
-    if not design_file.is_file():
-        raise ScaleError(f"{where}.file={ref['file']}: no such file (paths are relative to the scale file)")
-    try:
-        found: Any = yaml.safe_load(design_file.read_text())
-    except yaml.YAMLError as err:
-        raise ScaleError(f"{where}.file={ref['file']}: not valid YAML ({' '.join(str(err).split())})") from None
-    for depth, part in enumerate(str(ref["study"]).split(".")):
-        if not isinstance(found, dict) or part not in found:
-            at = ".".join(str(ref["study"]).split(".")[: depth + 1])
-            raise ScaleError(f"{where}.study={ref['study']}: {at} is not in {ref['file']}")
-        found = found[part]
+    found = _dotted(_read_yaml(f"{where}.file", path.parent, ref["file"]), str(ref["study"]), f"{where}.study",
+                    str(ref["file"]))
     if not isinstance(found, dict) or "prereg" not in found or "cells" not in found:
         raise ScaleError(f"{where}.study={ref['study']}: expected a study (prereg and cells) in {ref['file']}")
     return copy.deepcopy({"prereg": found["prereg"], "cells": found["cells"]})
