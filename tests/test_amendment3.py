@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from kvcert.analysis import prereg
+from kvcert.scales import load_scale, studies
 
 ROOT = prereg.find_root(__file__)
 SCRIPT = ROOT / "workflow" / "scripts" / "resize_design.py"
@@ -68,13 +69,17 @@ def test_the_rule_scales_only_the_cells_it_does_not_keep_and_fits_the_budget(tmp
 
 def test_the_v3_scale_is_amendment_2s_design_resized_on_fresh_items():
     """Scale v3 (`make reproduce-v3`; the default scale until amendment 4, which reads it as a record)."""
-    v2, scale = _scale("v2")["studies"]["v2"], _scale("v3")["studies"]
+    scale = _scale("v3")["studies"]
     assert scale["v1"] == {"prereg": 1, "archived": True} and scale["v2"] == {"prereg": 2, "archived": True}
     assert scale["v2-full"] == {"prereg": 2, "archived": True}  # make reproduce-full's record, tabulated beside
     assert _scale("default")["studies"]["v3"] == {"prereg": 3, "archived": True}
-    v3 = scale["v3"]
-    assert v3["prereg"] == 3 and sorted(v3["cells"]) == sorted(v2["cells"])
+    # both studies' cells as the workflow resolves them (from amendment 2's cell template and the locked counts)
+    v2 = studies(load_scale("v2", ROOT / "workflow" / "scales"))["v2"]
+    v3 = studies(load_scale("v3", ROOT / "workflow" / "scales"))["v3"]
+    locked = yaml.safe_load((ROOT / "preregistration" / "amendment-3" / "design.yaml").read_text())["counts"]
+    assert v3["prereg"] == 3 and sorted(v3["cells"]) == sorted(v2["cells"]) == sorted(locked)
     for name, cell in v3["cells"].items():
+        assert f"n_items={locked[name]}" in cell["overrides"], name
         old = v2["cells"][name]
         assert (cell["model"], cell["shards"]) == (old["model"], old["shards"])
         strip = lambda overrides: [o for o in overrides if not o.startswith(("n_items=", "data.seed="))]
