@@ -97,10 +97,7 @@ def _load(name: str, scales_dir: Path, seen: list[str]) -> dict[str, Any]:
     if name in seen:
         raise ScaleError(f"{path.name}: base chain loops ({' -> '.join([*seen, name])})")
     seen.append(name)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ScaleError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+    raw = _parse_yaml(path, str(path)) or {}
     if not isinstance(raw, dict):
         raise ScaleError(f"{path}: expected a mapping of scale keys")
     if "base" not in raw:
@@ -133,18 +130,24 @@ def _with_designs(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     return out
 
 
+def _parse_yaml(path: Path, label: str) -> Any:
+    """The parsed YAML file ``path``; a syntax error is a one-line ScaleError that starts with ``label``."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ScaleError(f"{label}: not valid YAML ({' '.join(str(err).split())})") from None
+
+
 def _read_yaml(where: str, base: Path, relative: Any) -> Any:
     """The YAML file at ``relative`` (to the directory ``base``), or a ScaleError naming ``where``."""
     found = (base / str(relative)).resolve()
     if not found.is_file():
         raise ScaleError(f"{where}={relative}: no such file (paths are relative to the scale file)")
-    try:
-        return yaml.safe_load(found.read_text())
-    except yaml.YAMLError as err:
-        raise ScaleError(f"{where}={relative}: not valid YAML ({' '.join(str(err).split())})") from None
+    return _parse_yaml(found, f"{where}={relative}")
 
 
 def _dotted(found: Any, key: str, where: str, file: str) -> Any:
+    """The value at the dotted ``key`` of the parsed ``file``, or a ScaleError naming ``where`` and the missing part."""
     for depth, part in enumerate(key.split(".")):
         if not isinstance(found, dict) or part not in found:
             raise ScaleError(f"{where}={key}: {'.'.join(key.split('.')[: depth + 1])} is not in {file}")
