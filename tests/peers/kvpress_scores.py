@@ -18,7 +18,8 @@ import argparse
 import numpy as np
 import torch
 from kvpress import CURPress, KeyDiffPress, KnormPress, LagKVPress, SnapKVPress, TOVAPress
-from kvpress.utils import extract_keys_and_values
+from kvpress.utils import extract_keys_and_values, get_prerope_key_states
+from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
 
@@ -255,8 +256,28 @@ def cap_and_leverage_scores(module, keys, values, kwargs) -> dict[str, np.ndarra
     torch.manual_seed(LEVERAGE_SEED + i)
     leverage = LeverageScorePress().score(module, hidden, keys, values, None, kwargs)
     out[f"leverage_layer{i}"] = leverage.double().numpy()
+    torch.manual_seed(LEVERAGE_SEED + i)  # LeverageScorePress.score's body, its pre-RoPE keys promoted to float64
+    prerope, press = get_prerope_key_states(module, hidden).double(), LeverageScorePress()
+    with LeverageInFloat64():
+        leverage = press.compute_leverage_scores(prerope, press.sketch_dimension)
+    out[f"leverage_float64_layer{i}"] = ((leverage - leverage.mean()) / leverage.std().clamp_min(1e-6)).numpy()
     out["leverage_seed"] = np.asarray(LEVERAGE_SEED)
     return out
+
+
+class LeverageInFloat64(TorchFunctionMode):
+    """kvpress's compute_leverage_scores with its arithmetic in float64 on float64 keys: its cast to float32 keeps
+    a float64 tensor as it is, and a float64 ``torch.randn`` draws what the float32 one would (the same seeded
+    normals, promoted), so that the sketch is the float32 run's. Lets a test compare kvcert with kvpress's
+    definition apart from kvpress's float32 rounding, without a copy of kvpress's code."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.randn and kwargs.get("dtype") == torch.float64:
+            return func(*args, **{**kwargs, "dtype": torch.float32}).double()
+        if func is torch.Tensor.to and args[0].dtype == torch.float64 and torch.float32 in (*args[1:], kwargs.get("dtype")):
+            return args[0]
+        return func(*args, **kwargs)
 
 
 if __name__ == "__main__":
