@@ -275,7 +275,7 @@ def certified_attention(ctx: AttentionContext, layer_idx: int, query, key, value
         out = _sampled_rows(ctx, layer_idx, layer, grouped_q, q_pos, out.reshape(b, hk, *out.shape[-2:]), scale,
                             sliding)
     recorder.add(layer_idx, layer.length, shape, out, var, terms, full_out)
-    return out.to(query.dtype).reshape(b, hq, m, -1)
+    return _ungroup(out, query)
 
 
 # --- dispatch -------------------------------------------------------------------------------------------

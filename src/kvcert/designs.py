@@ -19,7 +19,7 @@ import torch
 from .run_schema import DesignOptions  # the run schema's design_options, defined there once
 from .estimator import sampled_slots
 from .peer_sampling import CLTOptions, DecodeSampler
-from .sampling import certain_mask, inclusion_probabilities, poisson_sample, retained_count
+from .sampling import certain_mask, generator_or_seeded_zero, inclusion_probabilities, poisson_sample, retained_count
 
 if TYPE_CHECKING:  # designs read an allocation's fields only: kvcert.allocators sits beside them, not below
     from .allocators import LayerBudget
@@ -148,8 +148,7 @@ def clt_design(scores: torch.Tensor, budget: float, options: DesignOptions, gene
     if sampler_options.max_fraction is None:
         sampler_options = dataclasses.replace(sampler_options, max_fraction=budget)
     index = torch.arange(n, device=scores.device).expand(scores.shape).contiguous()
-    sampler = DecodeSampler(sampler_options, scores[0].detach().float(),
-                            generator if generator is not None else torch.Generator().manual_seed(0), n)
+    sampler = DecodeSampler(sampler_options, scores[0].detach().float(), generator_or_seeded_zero(generator), n)
     return Selection(index=index, log_pi=torch.zeros(scores.shape, dtype=torch.float32, device=scores.device),
                      sampler=sampler)
 

@@ -135,3 +135,9 @@ def poisson_sample(pi: torch.Tensor, generator: torch.Generator | None = None) -
         raise ValueError("inclusion probabilities must lie in [0, 1]")
     u = torch.rand(pi.shape, generator=generator, device=pi.device, dtype=torch.float64)
     return u < pi.to(torch.float64)
+
+
+def generator_or_seeded_zero(generator: torch.Generator | None) -> torch.Generator:
+    """``generator``, or without one a fresh CPU generator seeded 0: what a drawing policy or design draws from,
+    so that its draws never depend on torch's global generator."""
+    return generator if generator is not None else torch.Generator().manual_seed(0)

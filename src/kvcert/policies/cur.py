@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..sampling import generator_or_seeded_zero
 from .base import LayerView, register_policy
 
 # how the key and value leverage shares, each (batch, kv_heads, n), combine into one score
@@ -43,7 +44,7 @@ class CUR:
         keys, values = view.keys.float(), view.values.float()  # (batch, kv_heads, n, head_dim)
         if self.sketch_dimension is not None:
             r = self.sketch_dimension
-            generator = generator if generator is not None else torch.Generator().manual_seed(0)
+            generator = generator_or_seeded_zero(generator)
             sketch = torch.randn(keys.shape[-1], r, generator=generator) / math.sqrt(r)
             sketch = sketch.to(keys.device)
             keys, values = keys @ sketch, values @ sketch

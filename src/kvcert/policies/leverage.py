@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import generator_or_seeded_zero
 from .base import LayerView, register_policy
 
 
@@ -43,7 +44,7 @@ class LeverageScore:
         if view.pre_rope_keys is None:
             raise ValueError("policy leverage needs the keys before RoPE, which were not collected "
                              "(prefill(..., pre_rope_keys=True))")
-        generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        generator = generator_or_seeded_zero(generator)
         return leverage_scores(view.pre_rope_keys, self.sketch_dimension, self.ridge, generator).float()
 
 
