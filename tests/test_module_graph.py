@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "kvcert"
 # module or a subpackage (``kvcert.runner`` covers every ``kvcert.runner.*`` module).
 LAYERS = {
     "kvcert.errors": 0, "kvcert.run_schema": 0, "kvcert.table_columns": 0, "kvcert.atomic": 0, "kvcert.provenance": 0,
-    "kvcert.gpu_slots": 0,
+    "kvcert.gpu_slots": 0, "kvcert.seeding": 0,
     "kvcert.hydra_app": 1, "kvcert.estimator": 1, "kvcert.sampling": 1, "kvcert.prompts": 1, "kvcert.kernels": 1,
     "kvcert.data": 1, "kvcert.hub": 1, "kvcert.peer_sampling": 1,
     "kvcert.query_statistics": 1,  # the prefix queries before RoPE, and the RoPE after the prefix

@@ -131,3 +131,28 @@ def test_poisson_sample_is_seeded_and_validated():
     for bad in (torch.tensor([0.5, 1.5]), torch.tensor([-0.1]), torch.tensor([float("nan")])):
         with pytest.raises(ValueError):
             poisson_sample(bad)
+
+
+def test_draws_without_a_generator_never_follow_torchs_global_generator():
+    """The Poisson sample, top-k's tie-breaking jitter and the CLT sampler, given no generator, draw from one seeded
+    0 (kvcert.seeding): the same as with a generator seeded 0, whatever torch's global generator holds. Top-k is
+    checked on exact ties, which only the jitter orders."""
+    from kvcert.designs import DesignOptions, topk_design
+    from kvcert.peer_sampling import clt_importance_attention
+
+    pi = torch.full((3, 200), 0.4)
+    ties = torch.ones(1, 2, 300)  # every score equal: the kept set is the jitter's choice
+    logits, values = torch.randn(300, generator=torch.Generator().manual_seed(2)), torch.eye(300)[:, :8]
+    draws = {
+        "poisson": lambda g: poisson_sample(pi, g),
+        "topk": lambda g: topk_design(ties, 0.5, DesignOptions(n_sink=0, n_recent=0), generator=g).index,
+        "clt": lambda g: clt_importance_attention(logits, values, torch.ones(300), epsilon=0.3, delta=0.1,
+                                                  generator=g).draws,
+    }
+    for name, draw in draws.items():
+        seeded_zero = draw(torch.Generator().manual_seed(0))
+        torch.manual_seed(123)
+        first = draw(None)
+        torch.rand(7)  # moves the global generator: the default must not follow it
+        assert torch.equal(first, seeded_zero) and torch.equal(draw(None), seeded_zero), name
+        assert not torch.equal(draw(torch.Generator().manual_seed(1)), seeded_zero), name

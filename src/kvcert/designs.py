@@ -19,7 +19,8 @@ import torch
 from .run_schema import DesignOptions  # the run schema's design_options, defined there once
 from .estimator import sampled_slots
 from .peer_sampling import CLTOptions, DecodeSampler
-from .sampling import certain_mask, generator_or_seeded_zero, inclusion_probabilities, poisson_sample, retained_count
+from .sampling import certain_mask, inclusion_probabilities, poisson_sample, retained_count
+from .seeding import generator_or_seeded_zero
 
 if TYPE_CHECKING:  # designs read an allocation's fields only: kvcert.allocators sits beside them, not below
     from .allocators import LayerBudget
@@ -76,14 +77,16 @@ def topk_design(scores: torch.Tensor, budget: float, options: DesignOptions, gen
                 allocation: LayerBudget | None = None):
     """Keep sinks, recent window and the highest scores up to round(budget·n) tokens; π = 1 everywhere.
 
-    scores: (batch, kv_heads, n); ties are broken by a seeded random jitter. allocation: the count per head
-    instead of round(budget·n); pooled: the kv_heads · count highest across the layer's heads, each head
-    keeping its certain slots and its top ``allocation.safeguard`` (per-head counts then differ).
+    scores: (batch, kv_heads, n); ties are broken by a seeded random jitter (no generator: one seeded 0).
+    allocation: the count per head instead of round(budget·n); pooled: the kv_heads · count highest across the
+    layer's heads, each head keeping its certain slots and its top ``allocation.safeguard`` (per-head counts then
+    differ).
     """
     n = scores.shape[-1]
     count = allocation.count if allocation is not None else retained_count(budget, n, options.n_sink, options.n_recent)
     certain = certain_mask(n, options.n_sink, options.n_recent, scores.device).expand_as(scores)
-    jitter = torch.rand(scores.shape, generator=generator, dtype=torch.float64).to(scores.device)
+    jitter = torch.rand(scores.shape, generator=generator_or_seeded_zero(generator), dtype=torch.float64)
+    jitter = jitter.to(scores.device)
     ranked = scores.to(torch.float64) + 1e-9 * jitter * scores.abs().amax(-1, keepdim=True).clamp_min(1e-30)
     ranked = torch.where(certain, torch.full_like(ranked, float("inf")), ranked)
     keep = torch.zeros_like(certain)

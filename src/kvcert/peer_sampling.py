@@ -34,6 +34,8 @@ from statistics import NormalDist
 
 import torch
 
+from .seeding import generator_or_seeded_zero
+
 
 @dataclass(frozen=True)
 class CLTOptions:
@@ -130,6 +132,7 @@ def clt_weights(logits: torch.Tensor, allowed: torch.Tensor, exact: torch.Tensor
     sampled = rest.any(-1)  # (r,)
     # rows with nothing to sample draw from a placeholder distribution; their draws are discarded
     law = torch.where(sampled.unsqueeze(-1), s, torch.full_like(s, 1.0 / n))
+    generator = generator_or_seeded_zero(generator)  # the pilot's and the rest's draws, from one generator
     first = torch.multinomial(law.cpu().float(), pilot, replacement=True, generator=generator).to(logits.device)
     x = w.gather(-1, first) / law.gather(-1, first)
     mean, second = x.mean(-1), x.square().mean(-1)

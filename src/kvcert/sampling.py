@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .run_schema import DESIGN
+from .seeding import generator_or_seeded_zero
 
 
 def certain_mask(n: int, n_sink: int, n_recent: int, device=None) -> torch.Tensor:
@@ -130,14 +131,11 @@ def inclusion_probabilities(
 
 
 def poisson_sample(pi: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Independent Bernoulli(π_i) draws: (..., n) float in [0, 1] -> (..., n) bool (π = 1 always kept)."""
+    """Independent Bernoulli(π_i) draws: (..., n) float in [0, 1] -> (..., n) bool (π = 1 always kept); no
+    generator: one seeded 0 on π's device (kvcert.seeding)."""
     if bool(((pi < 0) | (pi > 1) | torch.isnan(pi)).any()):
         raise ValueError("inclusion probabilities must lie in [0, 1]")
-    u = torch.rand(pi.shape, generator=generator, device=pi.device, dtype=torch.float64)
+    u = torch.rand(pi.shape, generator=generator_or_seeded_zero(generator, pi.device), device=pi.device,
+                   dtype=torch.float64)
     return u < pi.to(torch.float64)
 
-
-def generator_or_seeded_zero(generator: torch.Generator | None) -> torch.Generator:
-    """``generator``, or without one a fresh CPU generator seeded 0: what a drawing policy or design draws from,
-    so that its draws never depend on torch's global generator."""
-    return generator if generator is not None else torch.Generator().manual_seed(0)

@@ -72,7 +72,7 @@ class Policy(Protocol):
     """A scoring policy: ``score(view) -> (batch, kv_heads, n)`` non-negative importance.
 
     A policy that draws (a sketch) draws from ``generator``; without one, from a generator seeded 0
-    (``kvcert.sampling.generator_or_seeded_zero``), never from torch's global generator: a policy's scores are a
+    (``kvcert.seeding.generator_or_seeded_zero``), never from torch's global generator: a policy's scores are a
     function of its view and its generator.
 
     needs_accumulated_attention / needs_query_statistics / needs_pre_rope_keys: what the prefill must collect

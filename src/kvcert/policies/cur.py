@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..sampling import generator_or_seeded_zero
+from ..seeding import generator_or_seeded_zero
 from .base import LayerView, register_policy
 
 # how the key and value leverage shares, each (batch, kv_heads, n), combine into one score

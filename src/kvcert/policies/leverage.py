@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import generator_or_seeded_zero
+from ..seeding import generator_or_seeded_zero
 from .base import LayerView, register_policy
 
 
