@@ -187,7 +187,12 @@ def test_knorm_is_the_reciprocal_of_kvpress(compared):
 # * AdaKV: kvcert's pooled top-k design, given kvpress's own inner scores (SnapKVPress) and kvpress's per-head
 #   count int(n · (1 − ratio)), keeps per KV head exactly the number of keys AdaKVPress leaves unmasked. kvcert's
 #   own budget rounds (round(budget · n)) and keeps its sinks and recent window certain, so the test turns
-#   both off (n_sink = n_recent = 0) to compare the allocation alone.
+#   both off (n_sink = n_recent = 0) to compare the allocation alone. The one exception allowed: kvcert's top-k
+#   breaks ties with a seeded jitter of up to JITTER times the head's largest score (the test bounds it by the
+#   layer's largest), so where two keys of two heads lie closer than that at the pooled threshold, it may keep
+#   the other one, and one key moves between the two heads' counts. The test checks that every difference is one
+#   such trade at such a gap. Seen on held-out prompt seed 3, SmolLM2 layer 11 at ratio 0.5: kvpress's float32
+#   scores 9.2986826e-05 and 9.2986818e-05 (gap 7e-12, below the jitter's 1e-9 there).
 # * PyramidKV: kvcert.allocators.pyramid_budgets at kvpress's mean n · (1 − ratio), rounded as kvpress rounds,
 #   gives the layer's kept count PyramidKVPress returns; kvcert's allocator rounds the same pyramid at its own
 #   uniform count so that the layers' counts sum exactly to the uniform total (each within 1 of the pyramid).
@@ -197,6 +202,18 @@ def _allocator_ratios(peer) -> list[float]:
     ratios = sorted({float(k.split("_cr")[1].split("_")[0]) for k in peer if k.startswith("adakv_cr")})
     assert ratios, "the peer run recorded no allocator counts"
     return ratios
+
+
+JITTER = 1e-9  # kvcert.designs.topk_design's tie-breaking jitter, in units of the head's largest score
+
+
+def _pooled_threshold_gap(scores: torch.Tensor, kept: int, safeguard: int) -> float:
+    """scores (1, kv_heads, n): the gap between the last key a pooled top-``kept`` keeps and the first it drops,
+    each head's top ``safeguard`` set aside as kept (AdaKV's ranking, without kvcert's jitter)."""
+    ranked = scores.clone()
+    ranked.scatter_(-1, torch.topk(ranked, safeguard, dim=-1).indices, float("inf"))
+    pooled = ranked.reshape(-1).sort(descending=True).values
+    return float(pooled[kept - 1] - pooled[kept])
 
 
 def test_adakv_kept_counts_equal_kvpress(compared):
@@ -215,7 +232,10 @@ def test_adakv_kept_counts_equal_kvpress(compared):
             theirs = peer[f"adakv_cr{ratio}_layer{i}"]
             mine = topk_design(scores, 1 - ratio, no_certain, allocation=allocation).retained.numpy()
             assert mine.shape == theirs.shape == (1, hk)
-            assert mine.tolist() == theirs.tolist(), f"{model_name} ratio {ratio} layer {i}"
+            if mine.tolist() != theirs.tolist():  # one key traded between two heads at a near-tie, or a failure
+                gap = _pooled_threshold_gap(scores, hk * count, allocation.safeguard)
+                assert np.abs(mine - theirs).sum() == 2 and gap < JITTER * scores.abs().max(), \
+                    f"{model_name} ratio {ratio} layer {i}: {mine.tolist()} != {theirs.tolist()} (gap {gap:.3g})"
             assert int(mine.sum()) == hk * count and (mine >= allocation.safeguard).all()
             differs |= len(set(mine.ravel().tolist())) > 1
     assert differs or hk == 1, f"{model_name}: every head kept the same count: the comparison shows nothing"
