@@ -53,8 +53,27 @@ def main(argv: list[str] | None = None) -> int:
 
     run_hooked(model, ids, [hook], extra=allocator_hooks(model, arrays))
     arrays.update(observed_attention_scores(args.model_dir, ids))
+    arrays.update(expected_attention_in_float64(args.model_dir, ids))
     np.savez(args.out, **arrays)
     return 0
+
+
+def expected_attention_in_float64(model_dir: str, ids: torch.Tensor) -> dict[str, np.ndarray]:
+    """ExpectedAttentionPress's scores per layer with the model loaded in float64 (its float32 weights, exactly
+    promoted), {"expected_attention_float64_layer{i}": (batch, kv_heads, n) float64}: the reference that tells
+    kvpress's definition from its float32 rounding (tests/test_peers.py's ExpectedAttention block)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="sdpa")
+    model.eval()
+    press, arrays = expected_and_critical_presses(model)["expected_attention"], {}
+
+    def hook(module, inputs, kwargs, output):
+        keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
+        scores = press.score(module, kwargs["hidden_states"], keys, values, None, kwargs)
+        arrays[f"expected_attention_float64_layer{module.layer_idx}"] = scores.numpy()
+        return output
+
+    run_hooked(model, ids, [hook])
+    return arrays
 
 
 # ---------------------------------------------------------------------------- budget allocators
