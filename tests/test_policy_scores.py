@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.attention import interposed
+from helpers.seeding import assert_seeded_zero_without_a_generator
 from helpers.tiny_models import build, prompt
 
 import kvcert
@@ -486,16 +487,7 @@ def test_cur_sketch_is_the_generators_gaussian_projection():
     np.testing.assert_allclose(scores, expected, rtol=1e-4, atol=ATOL)
     other = policy.score(view, torch.Generator().manual_seed(12))[0].double().numpy()
     assert np.abs(other - expected).max() > 1e-3
-    _assert_default_generator_is_seeded_zero(policy, view)
-
-
-def _assert_default_generator_is_seeded_zero(policy, view):
-    """Without a generator a sketched policy draws from one seeded 0, whatever torch's global generator holds."""
-    seeded_zero = policy.score(view, torch.Generator().manual_seed(0))
-    torch.manual_seed(123)
-    first = policy.score(view)
-    torch.randn(5)  # moves the global generator: the default must not follow it
-    assert torch.equal(first, seeded_zero) and torch.equal(policy.score(view), seeded_zero)
+    assert_seeded_zero_without_a_generator(lambda g: policy.score(view, g))  # never torch's global generator
 
 
 # --------------------------------------------------------------------------- Cap, LeverageScore
@@ -581,7 +573,7 @@ def test_leverage_is_the_ridge_leverage_of_the_centred_keys_before_rope():
     sketched = policy.score(view, torch.Generator().manual_seed(7))[0].double().numpy()
     np.testing.assert_allclose(sketched, leverage_reference(keys, 1e-2, sketch), rtol=1e-5, atol=1e-7)
     assert np.abs(policy.score(view, torch.Generator().manual_seed(8))[0].double().numpy() - sketched).max() > 1e-3
-    _assert_default_generator_is_seeded_zero(policy, view)
+    assert_seeded_zero_without_a_generator(lambda g: policy.score(view, g))  # never torch's global generator
     # the keys before RoPE are read, not the cached keys
     assert np.abs(leverage_reference(_states(view)[0], 1e-9) - exact).max() > 1e-3
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers.seeding import assert_seeded_zero_without_a_generator
 
 from kvcert import retained_count, inclusion_probabilities, poisson_sample
 
@@ -150,9 +151,5 @@ def test_draws_without_a_generator_never_follow_torchs_global_generator():
                                                   generator=g).draws,
     }
     for name, draw in draws.items():
-        seeded_zero = draw(torch.Generator().manual_seed(0))
-        torch.manual_seed(123)
-        first = draw(None)
-        torch.rand(7)  # moves the global generator: the default must not follow it
-        assert torch.equal(first, seeded_zero) and torch.equal(draw(None), seeded_zero), name
-        assert not torch.equal(draw(torch.Generator().manual_seed(1)), seeded_zero), name
+        assert_seeded_zero_without_a_generator(draw, name)
+        assert not torch.equal(draw(torch.Generator().manual_seed(1)), draw(torch.Generator().manual_seed(0))), name

@@ -62,19 +62,9 @@ def expected_attention_in_float64(model_dir: str, ids: torch.Tensor) -> dict[str
     """ExpectedAttentionPress's scores per layer with the model loaded in float64 (its float32 weights, exactly
     promoted), {"expected_attention_float64_layer{i}": (batch, kv_heads, n) float64}: the reference that tells
     kvpress's definition from its float32 rounding (tests/test_peers.py's ExpectedAttention block)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="sdpa")
-    model.eval()
-    press, arrays = expected_and_critical_presses(model)["expected_attention"], {}
-
-    def hook(module, inputs, kwargs, output):
-        keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
-        scores = press.score(module, kwargs["hidden_states"], keys, values, None, kwargs)
-        arrays[f"expected_attention_float64_layer{module.layer_idx}"] = scores.numpy()
-        return output
-
-    run_hooked(model, ids, [hook])
-    return arrays
-
+    return reloaded_press_scores(model_dir, ids, "expected_attention_float64",
+                                 lambda model: expected_and_critical_presses(model)["expected_attention"],
+                                 dtype=torch.float64)
 
 # ---------------------------------------------------------------------------- budget allocators
 # kvpress's AdaKVPress (over SnapKVPress) and PyramidKVPress at each compression ratio: their per-head kept counts.
@@ -169,14 +159,24 @@ def observed_attention_scores(model_dir: str, ids: torch.Tensor) -> dict[str, np
     needs), {"observed_attention_layer{i}": (batch, kv_heads, n) float64}."""
     from kvpress import ObservedAttentionPress
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    return reloaded_press_scores(model_dir, ids, "observed_attention", lambda model: ObservedAttentionPress(),
+                                 attn_implementation="eager", with_attentions=True)
+
+
+def reloaded_press_scores(model_dir: str, ids: torch.Tensor, name: str, press_for, *, dtype=torch.float32,
+                          attn_implementation: str = "sdpa", with_attentions: bool = False) -> dict[str, np.ndarray]:
+    """One press's scores per layer from the model loaded again from ``model_dir`` in ``dtype`` with
+    ``attn_implementation``, {"{name}_layer{i}": (batch, kv_heads, n) float64}; ``press_for(model)`` builds the
+    press; ``with_attentions``: the press gets the layer's attention weights (an eager run's)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
     model.eval()
-    press, arrays = ObservedAttentionPress(), {}
+    press, arrays = press_for(model), {}
 
     def hook(module, inputs, kwargs, output):
         keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
-        scores = press.score(module, kwargs["hidden_states"], keys, values, output[1], kwargs)
-        arrays[f"observed_attention_layer{module.layer_idx}"] = scores.double().numpy()
+        attentions = output[1] if with_attentions else None
+        scores = press.score(module, kwargs["hidden_states"], keys, values, attentions, kwargs)
+        arrays[f"{name}_layer{module.layer_idx}"] = scores.double().numpy()
         return output
 
     run_hooked(model, ids, [hook])
@@ -294,8 +294,9 @@ class LeverageInFloat64(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.randn and kwargs.get("dtype") == torch.float64:
             return func(*args, **{**kwargs, "dtype": torch.float32}).double()
-        if func is torch.Tensor.to and args[0].dtype == torch.float64 and torch.float32 in (*args[1:], kwargs.get("dtype")):
-            return args[0]
+        if func is torch.Tensor.to and args[0].dtype == torch.float64:
+            if torch.float32 in (*args[1:], kwargs.get("dtype")):  # a cast to float32: kept at float64
+                return args[0]
         return func(*args, **kwargs)
 
 
