@@ -99,6 +99,11 @@ def test_tables_match_a_hand_computation(script, cells, tmp_path):
     assert overall["n_met_step_rows"] == 4
     assert [overall["exceed_low"], overall["exceed_high"], overall["exceed_stored"]] == pytest.approx([0.25, 0.5, 0.25])
     assert overall["met_heads_exceeding"] == pytest.approx(1.0)
+    # layer 1's head missed ε (it keeps the cap): its rows e = 0, 0.3, 2.0 are within 0.1 once, in either form
+    assert overall["n_capped_step_rows"] == 3
+    assert [overall["capped_coverage_low"], overall["capped_coverage_high"]] == pytest.approx([1 / 3, 1 / 3])
+    layer0 = gap[gap["layer"] == "0"].iloc[0]
+    assert layer0["n_capped_step_rows"] == 0 and np.isnan(layer0["capped_coverage_low"])
     assert (tmp_path / "fig.png").stat().st_size > 0 and (tmp_path / "fig.pdf").stat().st_size > 0
 
 

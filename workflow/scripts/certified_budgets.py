@@ -17,7 +17,10 @@ the study's folder:
 * ``coverage_by_layer.csv``: that coverage per layer, next to 1 − δ.
 * ``targets.csv``, per target configuration and layer (and ``layer`` = all): the share of (item, KV head) whose
   prediction met ε, and the prediction-vs-decode gap: among the decode rows of heads predicted to meet ε, the
-  share whose realized error exceeds ε.
+  share whose realized error exceeds ε; beside it the coverage of ε on the other heads' decode rows (those whose
+  prediction missed ε even at the cap, so they keep the cap). A target's coverage in ``summary.csv`` is the
+  row-weighted mix of the two, which says whether a difference in coverage between workloads comes from the
+  prediction or from how many heads the cap binds.
 
 The relative error. The target is on ‖ô − o‖/‖o‖ (o the full cache's output); steps.parquet stores ‖ô − o‖
 (``true_err``) and ‖ô‖ (``out_norm``), not ‖o‖. Since ‖ô‖ − e ≤ ‖o‖ ≤ ‖ô‖ + e (e = ‖ô − o‖), the error relative to
@@ -47,7 +50,8 @@ SUMMARY_COLUMNS = ["model", "configuration", "variant", "allocator", "design", "
 LAYER_COLUMNS = ["model", "configuration", "epsilon", "layer", "n_step_rows", "coverage_low", "coverage_high",
                  "coverage_stored", "level"]
 TARGET_COLUMNS = ["model", "configuration", "target_error", "layer", "n_heads", "heads_met", "expected_fraction",
-                  "n_met_step_rows", "exceed_low", "exceed_high", "exceed_stored", "met_heads_exceeding"]
+                  "n_met_step_rows", "exceed_low", "exceed_high", "exceed_stored", "met_heads_exceeding",
+                  "n_capped_step_rows", "capped_coverage_low", "capped_coverage_high"]
 
 
 def error_bounds(true_err: np.ndarray, out_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -178,7 +182,9 @@ def target_table(choices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     predictions met ε, the mean expected count as a share of the context, and among the decode rows of heads
     predicted to meet ε, the share exceeding ε (bracketed as the coverage is: ``exceed_low`` counts rows certainly
     above ε, ``exceed_high`` rows possibly above; ``exceed_stored`` on e/‖ô‖), and the share of met (item, KV head)
-    with at least one decode row certainly above ε (``met_heads_exceeding``)."""
+    with at least one decode row certainly above ε (``met_heads_exceeding``); and on the decode rows of the heads
+    whose prediction missed ε (they keep the cap), the coverage bracket of ε (``capped_coverage_low`` /
+    ``capped_coverage_high``, as in ``summary.csv``)."""
     if not len(choices):
         return pd.DataFrame(columns=TARGET_COLUMNS)
     joined_on = ["model", "configuration", *KEYS, "layer", "kv_head"]
@@ -188,10 +194,12 @@ def target_table(choices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for (model, configuration), c in met.groupby(["model", "configuration"], sort=False):
         eps = float(c["target_error"].iloc[0])
-        d = decode[(decode["model"] == model) & (decode["configuration"] == configuration) & decode["met"]]
+        both = decode[(decode["model"] == model) & (decode["configuration"] == configuration)]
+        d, capped = both[both["met"]], both[~both["met"]]
         for layer in ["all", *sorted(c["layer"].unique())]:
             cl = c if layer == "all" else c[c["layer"] == layer]
             dl = d if layer == "all" else d[d["layer"] == layer]
+            cap = capped if layer == "all" else capped[capped["layer"] == layer]
             head_keys = [*KEYS, "layer", "kv_head"]
             certainly_over = dl.groupby(head_keys)["err_low"].max() > eps if len(dl) else pd.Series(dtype=bool)
             rows.append({"model": model, "configuration": configuration, "target_error": eps,
@@ -202,7 +210,9 @@ def target_table(choices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
                          "exceed_low": float((dl["err_low"] > eps).mean()) if len(dl) else np.nan,
                          "exceed_high": float((dl["err_high"] > eps).mean()) if len(dl) else np.nan,
                          "exceed_stored": float((dl["err_stored"] > eps).mean()) if len(dl) else np.nan,
-                         "met_heads_exceeding": float(certainly_over.mean()) if len(dl) else np.nan})
+                         "met_heads_exceeding": float(certainly_over.mean()) if len(dl) else np.nan,
+                         "n_capped_step_rows": int(len(cap)), "capped_coverage_low": _coverage(cap, eps, "low"),
+                         "capped_coverage_high": _coverage(cap, eps, "high")})
     return pd.DataFrame(rows, columns=TARGET_COLUMNS)
 
 
