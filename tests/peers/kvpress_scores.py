@@ -53,18 +53,47 @@ def main(argv: list[str] | None = None) -> int:
 
     run_hooked(model, ids, [hook], extra=allocator_hooks(model, arrays))
     arrays.update(observed_attention_scores(args.model_dir, ids))
-    arrays.update(expected_attention_in_float64(args.model_dir, ids))
+    arrays.update(exponential_scores_in_float64(args.model_dir, ids))
     np.savez(args.out, **arrays)
     return 0
 
 
-def expected_attention_in_float64(model_dir: str, ids: torch.Tensor) -> dict[str, np.ndarray]:
-    """ExpectedAttentionPress's scores per layer with the model loaded in float64 (its float32 weights, exactly
-    promoted), {"expected_attention_float64_layer{i}": (batch, kv_heads, n) float64}: the reference that tells
-    kvpress's definition from its float32 rounding (tests/test_peers.py's ExpectedAttention block)."""
-    return reloaded_press_scores(model_dir, ids, "expected_attention_float64",
-                                 lambda model: expected_and_critical_presses(model)["expected_attention"],
-                                 dtype=torch.float64)
+def exponential_scores_in_float64(model_dir: str, ids: torch.Tensor) -> dict[str, np.ndarray]:
+    """ExpectedAttentionPress's and CapPress's scores per layer with the model loaded in float64 (its float32
+    weights, exactly promoted), {"expected_attention_float64_layer{i}", "cap_float64_layer{i}": (batch, kv_heads,
+    n) float64}: the references that tell kvpress's definitions of these exponential scores from its float32
+    rounding (tests/test_peers.py's ExpectedAttention and Cap blocks). CapPress casts its linear system to float32;
+    here that cast keeps float64. (ObservedAttention has no such reference: transformers' eager attention, which
+    it reads, takes its softmax in float32 in any precision, and so does kvcert's accumulated attention.)"""
+    from kvpress import CapPress
+
+    arrays = reloaded_press_scores(model_dir, ids, "expected_attention_float64",
+                                   lambda model: expected_and_critical_presses(model)["expected_attention"],
+                                   dtype=torch.float64)
+
+    def cap_in_float64(model):
+        expected_and_critical_presses(model)  # CapPress needs the rotary embedding that attaches
+        return InFloat64(CapPress())
+
+    arrays.update(reloaded_press_scores(model_dir, ids, "cap_float64", cap_in_float64, dtype=torch.float64))
+    return arrays
+
+
+class InFloat64:
+    """A press whose ``score`` runs under KeptInFloat64 on one thread (this torch's batched linalg.solve fails on
+    Gemma 3's 256-dim values on two; see cap_and_leverage_scores)."""
+
+    def __init__(self, press):
+        self.press = press
+
+    def score(self, *args):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with KeptInFloat64():
+                return self.press.score(*args)
+        finally:
+            torch.set_num_threads(threads)
 
 # ---------------------------------------------------------------------------- budget allocators
 # kvpress's AdaKVPress (over SnapKVPress) and PyramidKVPress at each compression ratio: their per-head kept counts.
@@ -277,18 +306,18 @@ def cap_and_leverage_scores(module, keys, values, kwargs) -> dict[str, np.ndarra
     out[f"leverage_layer{i}"] = leverage.double().numpy()
     torch.manual_seed(LEVERAGE_SEED + i)  # LeverageScorePress.score's body, its pre-RoPE keys promoted to float64
     prerope, press = get_prerope_key_states(module, hidden).double(), LeverageScorePress()
-    with LeverageInFloat64():
+    with KeptInFloat64():
         leverage = press.compute_leverage_scores(prerope, press.sketch_dimension)
     out[f"leverage_float64_layer{i}"] = ((leverage - leverage.mean()) / leverage.std().clamp_min(1e-6)).numpy()
     out["leverage_seed"] = np.asarray(LEVERAGE_SEED)
     return out
 
 
-class LeverageInFloat64(TorchFunctionMode):
-    """kvpress's compute_leverage_scores with its arithmetic in float64 on float64 keys: its cast to float32 keeps
-    a float64 tensor as it is, and a float64 ``torch.randn`` draws what the float32 one would (the same seeded
-    normals, promoted), so that the sketch is the float32 run's. Lets a test compare kvcert with kvpress's
-    definition apart from kvpress's float32 rounding, without a copy of kvpress's code."""
+class KeptInFloat64(TorchFunctionMode):
+    """kvpress's code with its arithmetic in float64 on float64 inputs: a cast to float32 keeps a float64 tensor as
+    it is, and a float64 ``torch.randn`` draws what the float32 one would (the same seeded normals, promoted), so
+    that compute_leverage_scores' sketch is the float32 run's. Lets a test compare kvcert with kvpress's definition
+    apart from kvpress's float32 rounding, without a copy of kvpress's code."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
