@@ -462,11 +462,11 @@ def test_cur_equals_kvpress_after_its_sinks(compared):
 #   CapPress's cast of its linear system to float32 kept at float64 by KeptInFloat64), which checks the
 #   definition (measured on prompt seeds 0 and 3: 6e-8 on SmolLM2; up to 5e-6 on Gemma 3's layer 1, where both
 #   runs still share the model's float32 rotary tables and kvcert casts its scores to float32, against 2.9e-4
-#   between the float32 runs); and in float32 to RTOL_EXPONENTIAL on SmolLM2 (the weights exponentiate τ·cosines built from the queries' mean,
-#   which kvpress sums in float32 from its own projection of the hidden states) and to RTOL_CAP_GEMMA3 on Gemma 3,
-#   whose first layers' values reach norms of 100: kvpress solves I + Σ w v vᵀ in float32, kvcert in float64
-#   (4e-4 measured in layer 1). kvpress puts its sinks above every key of the layer (max + 1); kvcert gives them
-#   the head's highest score.
+#   between the float32 runs); and in float32 to RTOL_EXPONENTIAL on SmolLM2 (the weights exponentiate τ·cosines
+#   built from the queries' mean, which kvpress sums in float32 from its own projection of the hidden states) and
+#   to RTOL_CAP_GEMMA3 on Gemma 3, whose first layers' values reach norms of 100: kvpress solves I + Σ w v vᵀ in
+#   float32, kvcert in float64 (4e-4 measured in layer 1). kvpress puts its sinks above every key of the layer
+#   (max + 1); kvcert gives them the head's highest score.
 # * LeverageScore (Compactor's leverage, Chari & Van Durme, 2025): kvpress z-scores the leverages over the layer
 #   ((ℓ − mean) / std, every head together), kvcert keeps ℓ ∈ [0, 1) (non-negative for the Poisson design; the
 #   z-score is an increasing affine map shared by the layer's heads, so the order is the same). Checked as
