@@ -14,6 +14,7 @@ kvcert: this environment holds kvpress and the transformers version it pins.
 from __future__ import annotations
 
 import argparse
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -80,20 +81,26 @@ def exponential_scores_in_float64(model_dir: str, ids: torch.Tensor) -> dict[str
 
 
 class InFloat64:
-    """A press whose ``score`` runs under KeptInFloat64 on one thread (this torch's batched linalg.solve fails on
-    Gemma 3's 256-dim values on two; see cap_and_leverage_scores)."""
+    """A press whose ``score`` runs under KeptInFloat64, on one thread as CapPress needs (one_thread)."""
 
     def __init__(self, press):
         self.press = press
 
     def score(self, *args):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with KeptInFloat64():
-                return self.press.score(*args)
-        finally:
-            torch.set_num_threads(threads)
+        with one_thread(), KeptInFloat64():
+            return self.press.score(*args)
+
+
+@contextmanager
+def one_thread():
+    """torch on one thread inside: this torch's batched linalg.solve fails (lu_solve pivots) on Gemma 3's 256-dim
+    values when run on 2 threads (CapPress's linear system); on one it solves."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 # ---------------------------------------------------------------------------- budget allocators
 # kvpress's AdaKVPress (over SnapKVPress) and PyramidKVPress at each compression ratio: their per-head kept counts.
@@ -295,12 +302,8 @@ def cap_and_leverage_scores(module, keys, values, kwargs) -> dict[str, np.ndarra
     from kvpress import CapPress, LeverageScorePress
 
     hidden, i = kwargs["hidden_states"], module.layer_idx
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # this torch's batched linalg.solve fails (lu_solve pivots) on Gemma 3's 256-dim values
-    try:  # when run on 2 threads; on one it solves
+    with one_thread():
         out = {f"cap_layer{i}": CapPress().score(module, hidden, keys, values, None, kwargs).double().numpy()}
-    finally:
-        torch.set_num_threads(threads)
     torch.manual_seed(LEVERAGE_SEED + i)
     leverage = LeverageScorePress().score(module, hidden, keys, values, None, kwargs)
     out[f"leverage_layer{i}"] = leverage.double().numpy()

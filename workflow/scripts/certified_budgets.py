@@ -194,12 +194,11 @@ def target_table(choices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for (model, configuration), c in met.groupby(["model", "configuration"], sort=False):
         eps = float(c["target_error"].iloc[0])
-        both = decode[(decode["model"] == model) & (decode["configuration"] == configuration)]
-        d, capped = both[both["met"]], both[~both["met"]]
+        rows_of_cell = decode[(decode["model"] == model) & (decode["configuration"] == configuration)]
         for layer in ["all", *sorted(c["layer"].unique())]:
             cl = c if layer == "all" else c[c["layer"] == layer]
-            dl = d if layer == "all" else d[d["layer"] == layer]
-            cap = capped if layer == "all" else capped[capped["layer"] == layer]
+            rl = rows_of_cell if layer == "all" else rows_of_cell[rows_of_cell["layer"] == layer]
+            dl, cap = rl[rl["met"]], rl[~rl["met"]]  # rows of heads predicted to meet ε / of heads at the cap
             head_keys = [*KEYS, "layer", "kv_head"]
             certainly_over = dl.groupby(head_keys)["err_low"].max() > eps if len(dl) else pd.Series(dtype=bool)
             rows.append({"model": model, "configuration": configuration, "target_error": eps,
