@@ -49,6 +49,7 @@ import pytest
 import torch
 
 import kvcert
+from kvcert.designs import TIE_JITTER
 from kvcert.policies import get_policy
 from kvcert.theory import passkey_prompt
 
@@ -189,7 +190,7 @@ def test_knorm_is_the_reciprocal_of_kvpress(compared):
 #   count int(n · (1 − ratio)), keeps per KV head exactly the number of keys AdaKVPress leaves unmasked. kvcert's
 #   own budget rounds (round(budget · n)) and keeps its sinks and recent window certain, so the test turns
 #   both off (n_sink = n_recent = 0) to compare the allocation alone. The one exception allowed: kvcert's top-k
-#   breaks ties with a seeded jitter of up to JITTER times the head's largest score (the test bounds it by the
+#   breaks ties with a seeded jitter of up to TIE_JITTER times the head's largest score (the test bounds it by the
 #   layer's largest), so where two keys of two heads lie closer than that at the pooled threshold, it may keep
 #   the other one, and one key moves between the two heads' counts. The test checks that every difference is one
 #   such trade at such a gap. Seen on held-out prompt seed 3, SmolLM2 layer 11 at ratio 0.5: kvpress's float32
@@ -205,7 +206,6 @@ def _allocator_ratios(peer) -> list[float]:
     return ratios
 
 
-JITTER = 1e-9  # kvcert.designs.topk_design's tie-breaking jitter, in units of the head's largest score
 
 
 def _pooled_threshold_gap(scores: torch.Tensor, kept: int, safeguard: int) -> float:
@@ -235,7 +235,7 @@ def test_adakv_kept_counts_equal_kvpress(compared):
             assert mine.shape == theirs.shape == (1, hk)
             if mine.tolist() != theirs.tolist():  # one key traded between two heads at a near-tie, or a failure
                 gap = _pooled_threshold_gap(scores, hk * count, allocation.safeguard)
-                assert np.abs(mine - theirs).sum() == 2 and gap < JITTER * scores.abs().max(), \
+                assert np.abs(mine - theirs).sum() == 2 and gap < TIE_JITTER * scores.abs().max(), \
                     f"{model_name} ratio {ratio} layer {i}: {mine.tolist()} != {theirs.tolist()} (gap {gap:.3g})"
             assert int(mine.sum()) == hk * count and (mine >= allocation.safeguard).all()
             differs |= len(set(mine.ravel().tolist())) > 1

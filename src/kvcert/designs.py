@@ -25,6 +25,10 @@ from .seeding import generator_or_seeded_zero
 if TYPE_CHECKING:  # designs read an allocation's fields only: kvcert.allocators sits beside them, not below
     from .allocators import LayerBudget
 
+# topk_design breaks ties by adding up to TIE_JITTER times the head's largest score, a seeded uniform draw per
+# token: small enough to reorder only (near-)equal scores, large enough to survive float64 rounding.
+TIE_JITTER = 1e-9
+
 
 @dataclass(frozen=True)
 class Selection:
@@ -87,7 +91,7 @@ def topk_design(scores: torch.Tensor, budget: float, options: DesignOptions, gen
     certain = certain_mask(n, options.n_sink, options.n_recent, scores.device).expand_as(scores)
     jitter = torch.rand(scores.shape, generator=generator_or_seeded_zero(generator), dtype=torch.float64)
     jitter = jitter.to(scores.device)
-    ranked = scores.to(torch.float64) + 1e-9 * jitter * scores.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    ranked = scores.to(torch.float64) + TIE_JITTER * jitter * scores.abs().amax(-1, keepdim=True).clamp_min(1e-30)
     ranked = torch.where(certain, torch.full_like(ranked, float("inf")), ranked)
     keep = torch.zeros_like(certain)
     if allocation is not None and allocation.pooled:

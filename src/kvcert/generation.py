@@ -10,6 +10,7 @@ the prefill (the prefill itself is never modified, so every configuration starts
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from dataclasses import dataclass, field
 
@@ -31,7 +32,8 @@ from .policies import LayerView, get_policy, prefill_needs
 from .query_statistics import FUTURE_POSITIONS, QueryStatistics, rotary_tables, unrotate
 from .prompts import build_prompt, check_setting, model_limit
 from .table_columns import STEP_COLUMNS
-from .targets import Target, calibrated_scales, check_target, targeted_selections
+from .targets import (Target, TargetNotMetWarning, calibrated_scales, cap_binding_message, check_target,
+                      targeted_selections)
 
 FULL = "full"
 RUN = run_schema.RUN  # the run schema: the defaults here are a cell's
@@ -586,7 +588,8 @@ def generate(
     target_error, target_delta: a target relative error ε at
     level δ (default ``delta``) for design ``poisson``, the budget being its cap (``kvcert.targets``): per layer
     and KV head the smallest expected sample whose certificate (the calibrated one, given a calibration file),
-    predicted on the observation window's queries, is within ε; the choice is ``target_choice``.
+    predicted on the observation window's queries, is within ε; the choice is ``target_choice``. Pairs that
+    miss ε even at the cap keep the cap, and a ``TargetNotMetWarning`` says how many.
     """
     target = None if policy == FULL else check_target(design, target_error, target_delta)
     prompt = build_prompt(tokenizer, context, question, answer_prefix, setting=setting,
@@ -615,6 +618,8 @@ def generate(
         allocator=allocator, allocator_options=allocator_options, target=target,
         calibration=None if full else calibration,
     )
+    if decoded.target_choice is not None and (message := cap_binding_message(decoded.target_choice, target, budget)):
+        warnings.warn(message, TargetNotMetWarning, stacklevel=2)
     fields = {k: getattr(decoded, k) for k in Decoded.__dataclass_fields__}
     fields["text"] = tokenizer.decode(decoded.token_ids, skip_special_tokens=True)
     return GenerationResult(

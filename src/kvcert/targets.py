@@ -357,6 +357,21 @@ def target_design(view: LayerView, scores: torch.Tensor, target: Target, budget:
     return _pack(keep, torch.log(choice.pi)), choice
 
 
+class TargetNotMetWarning(UserWarning):
+    """Some (layer, KV head) pairs' prediction exceeds ε even at the cap: they keep the cap (``met`` False)."""
+
+
+def cap_binding_message(choice: pd.DataFrame, target: Target, budget: float) -> str | None:
+    """One line naming how many (layer, KV head) pairs of a choice log (CHOICE_COLUMNS) keep the cap without
+    meeting ε, or None where every pair meets it."""
+    missed = int((~choice["met"].astype(bool)).sum())
+    if missed == 0:
+        return None
+    return (f"target_error={target.error:g}: {missed} of {len(choice)} (layer, KV head) pairs are predicted above "
+            f"it even at the cap budget={budget:g} and keep the cap (target_choice['met'] is False there); "
+            "a larger budget lets them meet it")
+
+
 # The per-(layer, KV head) log of a targeted selection (GenerationResult.target_choice; a target cell's
 # targets.parquet adds the run's KEY_COLUMNS).
 CHOICE_COLUMNS = ["layer", "kv_head", "expected_count", "cap_count", "context_tokens", "retained", "predicted_rel_cert",

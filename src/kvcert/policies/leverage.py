@@ -49,8 +49,9 @@ class LeverageScore:
 
 
 def leverage_scores(keys: torch.Tensor, sketch_dimension: int | None, ridge: float,
-                    generator: torch.Generator | None = None) -> torch.Tensor:
-    """keys (b, h, n, d) -> (b, h, n) float64 ridge leverages of the sequence-centred, sketched keys."""
+                    generator: torch.Generator) -> torch.Tensor:
+    """keys (b, h, n, d) -> (b, h, n) float64 ridge leverages of the sequence-centred, sketched keys; the
+    sketch is drawn from ``generator`` (required: the global one would make the scores depend on what ran before)."""
     b, h, n, d = keys.shape
     x = keys.double() - keys.double().mean(dim=-2, keepdim=True)
     if sketch_dimension is not None:
