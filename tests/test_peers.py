@@ -206,8 +206,6 @@ def _allocator_ratios(peer) -> list[float]:
     return ratios
 
 
-
-
 def _pooled_threshold_gap(scores: torch.Tensor, kept: int, safeguard: int) -> float:
     """scores (1, kv_heads, n): the gap between the last key a pooled top-``kept`` keeps and the first it drops,
     each head's top ``safeguard`` set aside as kept (AdaKV's ranking, without kvcert's jitter)."""
