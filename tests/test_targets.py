@@ -220,11 +220,11 @@ def test_generate_with_a_target_keeps_the_chosen_sizes_and_logs_them(monkeypatch
         warnings.simplefilter("error", TargetNotMetWarning)  # every head meets these: no warning
         loose = kvcert.generate(model, tokenizer, **args, budget=1.0, target_error=1.0)
         tight = kvcert.generate(model, tokenizer, **args, budget=1.0, target_error=0.2, target_delta=0.05)
-    n_pairs = model.config.num_hidden_layers * model.config.num_key_value_heads
+    n_layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    n_pairs = n_layers * kv_heads
     with pytest.warns(TargetNotMetWarning, match=rf"target_error=0.2: {n_pairs} of {n_pairs} \(layer, KV head\) "
                                                  r"pairs .* at the cap budget=0.25 and keep the cap"):
         capped = kvcert.generate(model, tokenizer, **args, budget=0.25, target_error=0.2)
-    n_layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     for result, error in ((loose, 1.0), (tight, 0.2), (capped, 0.2)):
         choice = result.target_choice
         assert len(choice) == n_layers * kv_heads and list(choice["layer"].unique()) == list(range(n_layers))
