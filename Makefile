@@ -195,7 +195,8 @@ pilot-amendment: install model
 ## record's cell manifests state in every component; elsewhere, and for manifests that predate the CPU model,
 ## the same verdicts, sample sizes and accuracies, and every other number within 1e-5 relative or 1% of its
 ## row's 95% interval width. It prints which comparison it made and why (the components that differ or are
-## missing).
+## missing). An accuracy that differs is stated as the net number of items it moved: across CPU models an answer
+## decided by near-equal logits can flip (docs/studies/v5.md, "The run"), and that still fails the comparison.
 VERIFY_OUT ?= results/verify
 STUDIES ?= $(shell $(BIN)/python workflow/scripts/compare_results.py --list)
 verify-results: install

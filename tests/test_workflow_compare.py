@@ -230,3 +230,17 @@ def test_an_unknown_study_is_one_line(capsys):
                    + ", ".join(compare_results.known_studies())]
     assert compare_results.main(["--check", "v3"]) == 0
     assert set(compare_results.known_studies()) == set(pd.read_csv(ROOT / "results" / "claims.csv")["study"])
+
+
+def test_a_differing_accuracy_is_stated_in_items_and_names_its_whole_row(tmp_path):
+    # Study v5's rows differ only in model, design, budget, allocator or share, so the row's name carries them all,
+    # and a differing accuracy says how many of its items it moved (one of an item's three draws: a third).
+    header = "study,model,task,setting,policy,design,budget,accuracy,n,allocator,head_fraction\n"
+    record = header + "v5,smollm2,niah_multikey_2_512,question_aware,leverage,poisson,0.25,90.3226,31,uniform,0.8\n"
+    rerun = record.replace("90.3226", "91.3978")
+    committed, fresh = _write(tmp_path / "record", accuracy=record), _write(tmp_path / "rerun", accuracy=rerun)
+    for byte_for_byte in (True, False):
+        assert not compare_results.compare(committed, fresh, ["v5"], byte_for_byte, tables=("accuracy.csv",))
+    assert compare_results.compare_table(committed / "accuracy.csv", fresh / "accuracy.csv", ["v5"], False) == [
+        "v5 smollm2 niah_multikey_2_512 question_aware leverage poisson 0.25 uniform 0.8: "
+        "accuracy 90.3226 vs 91.3978 (net 0.33 of 31 items)"]

@@ -19,7 +19,9 @@ test's platform rule (tests/test_workflow.py):
   proven to be this machine's platform (the compiled kernel is built with -march=native, and another CPU
   model of the same capability rounds differently), so it is compared as below;
 - elsewhere (another CPU rounds float32 differently): the same rows, every non-float column
-  equal (verdicts, agreement, sample sizes, labels), accuracy.csv equal in every column (the accuracies),
+  equal (verdicts, agreement, sample sizes, labels), accuracy.csv equal in every column (the accuracies; one
+  that differs is also stated as the net number of items it moved, since across CPU models an answer decided
+  by near-equal logits can flip),
   and the other floats (estimates, interval ends, coverage, Spearman) equal within ``RTOL``/``ATOL`` or, in a
   row that states its 95% interval (``ci_low``, ``ci_high``), within ``WIDTH_FRACTION`` of the record's
   interval width, whichever is larger.
@@ -58,6 +60,10 @@ RTOL, ATOL = 1e-5, 1e-9
 WIDTH_FRACTION = 0.01
 # Tables whose floats are accuracies, equal on every platform where the same tokens are generated.
 EXACT_TABLES = ("accuracy.csv",)
+# What names a row in a difference: the first columns of claims.csv and reproduction.csv, and every key column of
+# accuracy.csv (study v5's rows differ only in model, design, budget, allocator or certain-head share).
+ROW_KEYS = ("study", "claim", "quantity", "model", "task", "setting", "policy", "design", "budget", "allocator",
+            "head_fraction")
 TOLERANCE = f"rtol {RTOL:g} (atol {ATOL:g}) or {WIDTH_FRACTION:g} of the row's interval width"
 SCALES = Path(__file__).resolve().parents[1] / "scales"
 
@@ -175,9 +181,23 @@ def compare_table(committed: Path, fresh: Path, studies: list[str], byte_for_byt
         else:
             same = ((x == y) | (x.isna() & y.isna())).to_numpy()
         for i in np.flatnonzero(~same):
-            label = " ".join(str(a.at[i, k]) for k in ("study", "claim", "quantity", "task", "policy") if k in a)
-            diffs.append(f"{label}: {column} {_plain(x.iat[i])!r} vs {_plain(y.iat[i])!r}")
+            label = " ".join(str(a.at[i, k]) for k in ROW_KEYS if k in a and not pd.isna(a.at[i, k]))
+            diffs.append(f"{label}: {column} {_plain(x.iat[i])!r} vs {_plain(y.iat[i])!r}"
+                         + (_items_changed(x.iat[i], y.iat[i], a.at[i, "n"]) if column == "accuracy" and "n" in a else ""))
     return diffs
+
+
+def _items_changed(record: float, rerun: float, n: int) -> str:
+    """The accuracy change (in percent) as a net number of the row's n items: ' (net 0.33 of 31 items)'.
+
+    Across CPU models an answer decided by near-equal logits can flip (docs/studies/v5.md, "The run": one of an
+    item's three Poisson draws, a third of an item); stating the change in items tells such a flip from a changed
+    computation. A row averages each item's draws (seeds) first, so one draw moves it by a fraction of an item."""
+    try:
+        items = abs(float(rerun) - float(record)) * int(n) / 100
+    except (TypeError, ValueError):
+        return ""
+    return f" (net {items:.2f} of {int(n)} items)"
 
 
 def compare(committed: Path, fresh: Path, studies: list[str], byte_for_byte: bool,
