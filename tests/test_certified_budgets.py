@@ -123,3 +123,14 @@ def test_a_target_cell_without_its_choice_table_is_named(script, cells, tmp_path
     (Path(cells["m-target_0.1"]["dirs"][0]) / "targets.parquet").unlink()
     with pytest.raises(FileNotFoundError, match="targets.parquet: missing"):
         script.main(cells, [0.1], 0.05, tmp_path / "out", tmp_path / "fig.png", tmp_path / "fig.pdf")
+
+
+def test_a_target_at_another_cap_is_named_by_its_cap_and_drawn_as_its_own_family(script):
+    # The study's targets (variant target_<eps>) keep their names; the uncapped cells' targets (budget 1.0) would
+    # otherwise share them and be pooled with the capped ones in every table.
+    assert script.configuration_name("target_0.1", "poisson", 0.5, 0.1) == "target 0.1"
+    assert script.configuration_name("uncapped_0.1", "poisson", 1.0, 0.1) == "target 0.1 cap 1"
+    families = [script._family({"design": d, "variant": v}) for d, v in
+                (("poisson", "target_0.05"), ("clt", "target_0.05"), ("poisson", "uncapped_0.05"), ("topk", "adakv"))]
+    assert families == ["target", "clt", "uncapped", "adakv"]
+    assert set(script.TARGET_FAMILIES) <= set(script.FAMILY_COLORS)

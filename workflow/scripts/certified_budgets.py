@@ -3,7 +3,8 @@ against fixed budgets and budget allocators, on the cells of an exploratory stud
 ``certified_budgets`` (workflow/scales/certified-budgets.yaml). Descriptive numbers, never a pre-registered test.
 
 A configuration is one (cell variant, design, budget) of one model: ``fixed topk 0.25``, ``adakv poisson 0.5``,
-``target 0.1`` (a target cell's design poisson, the budget its cap), ``clt 0.1`` (the same cell's design clt: the
+``target 0.1`` (a ``target_<eps>`` cell's design poisson, the budget its cap; a target cell of another variant
+names its cap: ``target 0.1 cap 1``), ``clt 0.1`` (the same cell's design clt: the
 peers' decode-time CLT-sized sampler at the same ε and δ; it keeps the whole cache),
 and ``full`` (the full cache). Tables, under
 the study's folder:
@@ -74,8 +75,8 @@ def configuration_name(variant: str, design: str, budget: float, target_error) -
         return "full"
     if design == "clt":
         return f"clt {target_error:g}"
-    if pd.notna(target_error):
-        return f"target {target_error:g}"
+    if pd.notna(target_error):  # the study's targets (variant target_<eps>) at its cap; any other cap is named
+        return f"target {target_error:g}" if variant.startswith("target") else f"target {target_error:g} cap {budget:g}"
     return f"{variant.split('_')[0] if variant.startswith('target') else variant} {design} {budget:g}"
 
 
@@ -216,7 +217,9 @@ def target_table(choices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
 
 
 FAMILY_COLORS = {"fixed": "tab:blue", "adakv": "tab:orange", "pyramidkv": "tab:green", "target": "tab:red",
-                 "clt": "tab:purple"}
+                 "uncapped": "tab:brown", "clt": "tab:purple"}
+FAMILY_LABELS = {"uncapped": "target, cap 1"}
+TARGET_FAMILIES = ("target", "uncapped")  # drawn as stars: the study's targets and the same with no cap
 DESIGN_MARKERS = {"topk": "s", "poisson": "o", "clt": "X"}
 # A small horizontal offset per allocator family, so that equal results (AdaKV on one KV head, PyramidKV where it
 # falls back to uniform) stay visible side by side.
@@ -227,7 +230,7 @@ def _family(row) -> str:
     """The colour group of a summary row: its cell variant's family (targets and clt by design)."""
     if row["design"] == "clt":
         return "clt"
-    return "target" if str(row["variant"]).startswith("target") else str(row["variant"])
+    return "target" if str(row["variant"]).startswith("target") else str(row["variant"]).split("_")[0]
 
 
 def figure(summary: pd.DataFrame, epsilons: list[float], png: Path, pdf: Path) -> None:
@@ -246,7 +249,7 @@ def figure(summary: pd.DataFrame, epsilons: list[float], png: Path, pdf: Path) -
             axes[0, col].axhline(float(full["accuracy"].iloc[0]), color="black", lw=0.8, ls=":")
         for _, r in m[m["configuration"] != "full"].iterrows():
             family = _family(r)
-            is_target = family == "target"
+            is_target = family in TARGET_FAMILIES
             color = FAMILY_COLORS.get(family, "0.3")
             hollow = not is_target and family != "clt" and float(r["budget"]) < 0.5
             style = dict(marker="*" if is_target else DESIGN_MARKERS.get(r["design"], "o"), ms=13 if is_target else 7,
@@ -268,7 +271,9 @@ def figure(summary: pd.DataFrame, epsilons: list[float], png: Path, pdf: Path) -
         axes[1, col].set_yscale("log")
     axes[0, 0].set_ylabel("accuracy (%)")
     axes[1, 0].set_ylabel("95th pct of ||o_hat - o|| / ||o_hat||")
-    handles = [Line2D([], [], color=c, marker="o", ls="none", label=name) for name, c in FAMILY_COLORS.items()]
+    shown = set(map(_family, summary[summary["configuration"] != "full"].to_dict("records")))
+    handles = [Line2D([], [], color=c, marker="o", ls="none", label=FAMILY_LABELS.get(name, name))
+               for name, c in FAMILY_COLORS.items() if name in shown]
     handles += [Line2D([], [], color="0.3", marker=mk, ls="none", label=name) for name, mk in DESIGN_MARKERS.items()]
     handles += [Line2D([], [], color="0.3", marker="*", ms=11, ls="none", label="target (poisson)"),
                 Line2D([], [], color="0.3", marker="o", markerfacecolor="none", ls="none", label="budget 0.25"),
