@@ -258,8 +258,12 @@ def figure(summary: pd.DataFrame, epsilons: list[float], png: Path, pdf: Path) -
             x = float(r["kept_bytes_fraction"]) + FAMILY_DODGE.get(family, 0.0)
             axes[0, col].plot(x, r["accuracy"], **style)
             axes[1, col].plot(x, r["rel_err_p95"], **style)
-            if is_target or family == "clt":  # which ε, in the accuracy panel: a target's above (the largest ε) or
-                # below its star, clt's to the left of its cross (at the right edge: it keeps the whole cache)
+            if family == "uncapped":  # which ε, in the error panel right of its star (the accuracy panel has the
+                # capped targets' labels next to it; the error panel separates the two ε by height)
+                axes[1, col].annotate(f"ε={r['target_error']:g}", (x, r["rel_err_p95"]), textcoords="offset points",
+                                      xytext=(8, -3), fontsize=7, color=color)
+            elif is_target or family == "clt":  # which ε, in the accuracy panel: a target's above (the largest ε)
+                # or below its star, clt's to the left of its cross (at the right edge: it keeps the whole cache)
                 above = float(r["target_error"]) >= max(epsilons)
                 offset = (-40, -3) if family == "clt" else (-8, 9 if above else -13)
                 axes[0, col].annotate(f"ε={r['target_error']:g}", (x, r["accuracy"]), textcoords="offset points",
@@ -269,15 +273,22 @@ def figure(summary: pd.DataFrame, epsilons: list[float], png: Path, pdf: Path) -
         axes[0, col].set_title(model)
         axes[1, col].set_xlabel("kept bytes / full cache bytes")
         axes[1, col].set_yscale("log")
+        for ax in axes[:, col]:  # room for the labels right of the rightmost stars (both panels share x)
+            ax.margins(x=0.15)
     axes[0, 0].set_ylabel("accuracy (%)")
     axes[1, 0].set_ylabel("95th pct of ||o_hat - o|| / ||o_hat||")
-    shown = set(map(_family, summary[summary["configuration"] != "full"].to_dict("records")))
+    # The legend names only what is drawn (the held-out check has neither clt nor a 25% budget).
+    drawn = summary[summary["configuration"] != "full"].to_dict("records")
+    families = {_family(r) for r in drawn}
+    hollow_drawn = any(_family(r) not in (*TARGET_FAMILIES, "clt") and float(r["budget"]) < 0.5 for r in drawn)
     handles = [Line2D([], [], color=c, marker="o", ls="none", label=FAMILY_LABELS.get(name, name))
-               for name, c in FAMILY_COLORS.items() if name in shown]
-    handles += [Line2D([], [], color="0.3", marker=mk, ls="none", label=name) for name, mk in DESIGN_MARKERS.items()]
-    handles += [Line2D([], [], color="0.3", marker="*", ms=11, ls="none", label="target (poisson)"),
-                Line2D([], [], color="0.3", marker="o", markerfacecolor="none", ls="none", label="budget 0.25"),
-                Line2D([], [], color="0.3", marker="o", ls="none", label="budget 0.5"),
+               for name, c in FAMILY_COLORS.items() if name in families]
+    handles += [Line2D([], [], color="0.3", marker=mk, ls="none", label=name) for name, mk in DESIGN_MARKERS.items()
+                if any(r["design"] == name and _family(r) not in TARGET_FAMILIES for r in drawn)]
+    handles += [Line2D([], [], color="0.3", marker="*", ms=11, ls="none", label="target (poisson)")]
+    handles += [Line2D([], [], color="0.3", marker="o", markerfacecolor="none", ls="none", label="budget 0.25")
+                ] if hollow_drawn else []
+    handles += [Line2D([], [], color="0.3", marker="o", ls="none", label="budget 0.5"),
                 Line2D([], [], color="black", ls=":", label="full cache"),
                 Line2D([], [], color="0.4", ls="--", label="target errors")]
     fig.legend(handles=handles, loc="lower center", ncol=7, fontsize=7, frameon=False)
