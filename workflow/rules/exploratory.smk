@@ -11,6 +11,9 @@ SENSITIVITY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analy
 CERTIFIED_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "certified_budgets"]
 ACCURACY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "accuracy"]
 CERTIFIED_TABLES = ("summary", "coverage_by_layer", "targets")
+# Held-out checks: a certified-budgets study whose `check` names the study it is checked against and its criterion
+# (workflow/scripts/heldout_check.py), written before the check's cells ran.
+CHECKED_STUDIES = [name for name in CERTIFIED_STUDIES if S["exploratory"][name].get("check")]
 
 EXPLORATORY_OUTPUTS = [
     *(path for name in SENSITIVITY_STUDIES
@@ -18,6 +21,7 @@ EXPLORATORY_OUTPUTS = [
     *(path for name in CERTIFIED_STUDIES
       for path in (*(f"{OUT}/{name}/{table}.csv" for table in CERTIFIED_TABLES),
                    f"{FIG}/{name}/{name}.png", f"{FIG}/{name}/{name}.pdf")),
+    *(f"{OUT}/{name}/check.csv" for name in CHECKED_STUDIES),
     *(f"{OUT}/{name}/accuracy.csv" for name in ACCURACY_STUDIES),
 ]
 
@@ -90,3 +94,20 @@ rule certified_budgets:
         delta=lambda wc: S["exploratory"][wc.name]["delta"],
     script:
         "../scripts/certified_budgets.py"
+
+
+rule certified_budgets_check:
+    input:
+        summary=f"{OUT}/{{name}}/summary.csv",
+        study=lambda wc: S["exploratory"][wc.name]["check"]["against"],
+    output:
+        f"{OUT}/{{name}}/check.csv",
+    log:
+        f"{OUT}/logs/{{name}}-check.log",
+    wildcard_constraints:
+        name="|".join(CHECKED_STUDIES) or "no-held-out-check",
+    params:
+        analysis=ANALYSIS_FINGERPRINT,
+        check=lambda wc: dict(S["exploratory"][wc.name]["check"]),
+    script:
+        "../scripts/heldout_check.py"
