@@ -90,6 +90,16 @@ def test_tables_match_a_hand_computation(script, cells, tmp_path):
     fixed = layers[layers["configuration"] == "fixed topk 0.25"]
     assert sorted(fixed["epsilon"]) == [0.05, 0.1]  # a fixed budget is measured at every study ε
 
+    by_step = pd.read_csv(out / "coverage_by_step.csv")
+    target = by_step[by_step["configuration"] == "target 0.1"].set_index("step")
+    # step 0: layer 0's e = 0.05 and layer 1's e = 0, both certainly within 0.1; step 1: 0.095 possibly, 0.3 not;
+    # step 2: 0.2 and 2.0, neither; step 3: layer 0's 0.01 alone
+    assert target["n_step_rows"].tolist() == [2, 2, 2, 1]
+    assert target["coverage_low"].tolist() == pytest.approx([1.0, 0.0, 0.0, 1.0])
+    assert target["coverage_high"].tolist() == pytest.approx([1.0, 0.5, 0.0, 1.0])
+    assert set(target["epsilon"]) == {0.1} and target["level"].tolist() == pytest.approx([0.95] * 4)
+    assert sorted(by_step[by_step["configuration"] == "fixed topk 0.25"]["epsilon"].unique()) == [0.05, 0.1]
+
     gap = pd.read_csv(out / "targets.csv")
     assert set(gap["configuration"]) == {"target 0.1"}  # clt chooses nothing at prefill: no prediction to check
     overall = gap[gap["layer"] == "all"].iloc[0]

@@ -16,6 +16,8 @@ the study's folder:
   head), the realized relative error over every decode (step, layer, KV head) row, and its coverage of each
   study level ε.
 * ``coverage_by_layer.csv``: that coverage per layer, next to 1 − δ.
+* ``coverage_by_step.csv``: that coverage per decode step (0 = the first generated token's), next to 1 − δ: where
+  the answer's queries leave what the observation window predicted.
 * ``targets.csv``, per target configuration and layer (and ``layer`` = all): the share of (item, KV head) whose
   prediction met ε, and the prediction-vs-decode gap: among the decode rows of heads predicted to meet ε, the
   share whose realized error exceeds ε; beside it the coverage of ε on the other heads' decode rows (those whose
@@ -50,6 +52,8 @@ SUMMARY_COLUMNS = ["model", "configuration", "variant", "allocator", "design", "
                    "rel_err_median", "rel_err_p95"]
 LAYER_COLUMNS = ["model", "configuration", "epsilon", "layer", "n_step_rows", "coverage_low", "coverage_high",
                  "coverage_stored", "level"]
+STEP_COLUMNS = ["model", "configuration", "epsilon", "step", "n_step_rows", "coverage_low", "coverage_high",
+                "coverage_stored", "level"]
 TARGET_COLUMNS = ["model", "configuration", "target_error", "layer", "n_heads", "heads_met", "expected_fraction",
                   "n_met_step_rows", "exceed_low", "exceed_high", "exceed_stored", "met_heads_exceeding",
                   "n_capped_step_rows", "capped_coverage_low", "capped_coverage_high"]
@@ -164,18 +168,27 @@ def _coverage(s: pd.DataFrame, eps: float, form: str) -> float:
     return float((s[column] <= eps).mean())
 
 
-def coverage_by_layer(steps: pd.DataFrame, epsilons: list[float], delta: float) -> pd.DataFrame:
-    """Per model, configuration, ε and layer: the coverage bracket of ‖ô − o‖/‖o‖ ≤ ε and e/‖ô‖ ≤ ε, beside
-    1 − δ. A target configuration is measured at its own ε only."""
+def _coverage_by(steps: pd.DataFrame, by: str, epsilons: list[float], delta: float) -> list[dict]:
     rows = []
-    for (model, configuration, layer), s in steps.groupby(["model", "configuration", "layer"], sort=True):
+    for (model, configuration, value), s in steps.groupby(["model", "configuration", by], sort=True):
         target = s["target_error"].iloc[0]
         for eps in [target] if pd.notna(target) else epsilons:
-            rows.append({"model": model, "configuration": configuration, "epsilon": float(eps), "layer": int(layer),
+            rows.append({"model": model, "configuration": configuration, "epsilon": float(eps), by: int(value),
                          "n_step_rows": int(len(s)), "coverage_low": _coverage(s, eps, "low"),
                          "coverage_high": _coverage(s, eps, "high"), "coverage_stored": _coverage(s, eps, "stored"),
                          "level": 1 - delta})
-    return pd.DataFrame(rows, columns=LAYER_COLUMNS)
+    return rows
+
+
+def coverage_by_layer(steps: pd.DataFrame, epsilons: list[float], delta: float) -> pd.DataFrame:
+    """Per model, configuration, ε and layer: the coverage bracket of ‖ô − o‖/‖o‖ ≤ ε and e/‖ô‖ ≤ ε, beside
+    1 − δ. A target configuration is measured at its own ε only."""
+    return pd.DataFrame(_coverage_by(steps, "layer", epsilons, delta), columns=LAYER_COLUMNS)
+
+
+def coverage_by_step(steps: pd.DataFrame, epsilons: list[float], delta: float) -> pd.DataFrame:
+    """As coverage_by_layer, per decode step instead of per layer (every layer and KV head of the step pooled)."""
+    return pd.DataFrame(_coverage_by(steps, "step", epsilons, delta), columns=STEP_COLUMNS)
 
 
 def target_table(choices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
@@ -233,15 +246,35 @@ def _family(row) -> str:
     return "target" if str(row["variant"]).startswith("target") else str(row["variant"]).split("_")[0]
 
 
-def figure(summary: pd.DataFrame, epsilons: list[float], png: Path, pdf: Path) -> None:
+def _step_panel(ax, by_step: pd.DataFrame, model: str, epsilons: list[float], delta: float) -> None:
+    """The decode rows certainly within ε per decode step: each target at its own ε (solid at the largest ε,
+    dashed below it) and the fixed Poisson budget of one half at each ε, in its family's colour; 1 − δ dotted."""
+    m = by_step[by_step["model"] == model]
+    for configuration, g in m.groupby("configuration", sort=False):
+        family = configuration.split(" ")[0]
+        family = "uncapped" if family == "target" and " cap " in configuration else family
+        if family not in TARGET_FAMILIES and configuration != "fixed poisson 0.5":
+            continue
+        for eps, e in g.groupby("epsilon", sort=False):
+            ax.plot(e["step"], e["coverage_low"], color=FAMILY_COLORS.get(family, "0.3"), lw=1.2,
+                    ls="-" if eps >= max(epsilons) else "--", alpha=0.85)
+    ax.axhline(1 - delta, color="black", lw=0.8, ls=":")
+    ax.set_xlabel("decode step")
+
+
+def figure(summary: pd.DataFrame, by_step: pd.DataFrame, epsilons: list[float], delta: float, png: Path,
+           pdf: Path) -> None:
     """Per model (columns): kept bytes (share of the full cache) on x; accuracy and the realized error's 95th
     percentile (e/‖ô‖) on y. Colour: the cell family (fixed budgets, AdaKV, PyramidKV, the targets, the peers'
     sampler); marker: the design (targets as stars); budget 25% hollow, 50% filled; the study's ε as dashed lines,
-    the full cache's accuracy dotted."""
+    the full cache's accuracy dotted. Bottom row: the decode rows certainly within ε per decode step
+    (``_step_panel``)."""
     from matplotlib.lines import Line2D
 
     models = list(dict.fromkeys(summary["model"]))
-    fig, axes = plt.subplots(2, len(models), figsize=(4.8 * len(models), 6.8), squeeze=False, sharex="col")
+    fig, axes = plt.subplots(3, len(models), figsize=(4.8 * len(models), 9.6), squeeze=False)
+    for col in range(len(models)):
+        axes[0, col].sharex(axes[1, col])
     for col, model in enumerate(models):
         m = summary[summary["model"] == model]
         full = m[m["configuration"] == "full"]
@@ -273,10 +306,12 @@ def figure(summary: pd.DataFrame, epsilons: list[float], png: Path, pdf: Path) -
         axes[0, col].set_title(model)
         axes[1, col].set_xlabel("kept bytes / full cache bytes")
         axes[1, col].set_yscale("log")
-        for ax in axes[:, col]:  # room for the labels right of the rightmost stars (both panels share x)
+        for ax in axes[:2, col]:  # room for the labels right of the rightmost stars (both panels share x)
             ax.margins(x=0.15)
+        _step_panel(axes[2, col], by_step, model, epsilons, delta)
     axes[0, 0].set_ylabel("accuracy (%)")
     axes[1, 0].set_ylabel("95th pct of ||o_hat - o|| / ||o_hat||")
+    axes[2, 0].set_ylabel("decode rows certainly within eps")
     # The legend names only what is drawn (the held-out check has neither clt nor a 25% budget).
     drawn = summary[summary["configuration"] != "full"].to_dict("records")
     families = {_family(r) for r in drawn}
@@ -289,11 +324,13 @@ def figure(summary: pd.DataFrame, epsilons: list[float], png: Path, pdf: Path) -
     handles += [Line2D([], [], color="0.3", marker="o", markerfacecolor="none", ls="none", label="budget 0.25")
                 ] if hollow_drawn else []
     handles += [Line2D([], [], color="0.3", marker="o", ls="none", label="budget 0.5"),
-                Line2D([], [], color="black", ls=":", label="full cache"),
-                Line2D([], [], color="0.4", ls="--", label="target errors")]
+                Line2D([], [], color="black", ls=":", label="full cache; bottom: 1 - delta"),
+                Line2D([], [], color="0.4", ls="--", label="target errors"),
+                Line2D([], [], color="0.3", ls="-", label=f"bottom: eps {max(epsilons):g}"),
+                Line2D([], [], color="0.3", ls="--", label="bottom: smaller eps")]
     fig.legend(handles=handles, loc="lower center", ncol=7, fontsize=7, frameon=False)
     fig.suptitle("Exploratory: certified budgets")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     save_figure(fig, png, pdf)
 
 
@@ -304,8 +341,10 @@ def main(cells: dict, epsilons: list[float], delta: float, out_dir: Path, png: P
     write_text_atomic(summary.round(6).to_csv(index=False), Path(out_dir) / "summary.csv")
     write_text_atomic(coverage_by_layer(steps, epsilons, delta).round(6).to_csv(index=False),
                       Path(out_dir) / "coverage_by_layer.csv")
+    by_step = coverage_by_step(steps, epsilons, delta)
+    write_text_atomic(by_step.round(6).to_csv(index=False), Path(out_dir) / "coverage_by_step.csv")
     write_text_atomic(target_table(choices, steps).round(6).to_csv(index=False), Path(out_dir) / "targets.csv")
-    figure(summary, epsilons, png, pdf)
+    figure(summary, by_step, epsilons, delta, png, pdf)
 
 
 if __name__ == "__main__":  # run by Snakemake's script directive
