@@ -266,7 +266,7 @@ def figure(summary: pd.DataFrame, by_step: pd.DataFrame, epsilons: list[float], 
            pdf: Path) -> None:
     """Per model (columns): kept bytes (share of the full cache) on x; accuracy and the realized error's 95th
     percentile (e/‖ô‖) on y. Colour: the cell family (fixed budgets, AdaKV, PyramidKV, the targets, the peers'
-    sampler); marker: the design (targets as stars); budget 25% hollow, 50% filled; the study's ε as dashed lines,
+    sampler); marker: the design (targets as stars); budgets below 50% hollow, 50% filled; the study's ε as dashed lines,
     the full cache's accuracy dotted. Bottom row: the decode rows certainly within ε per decode step
     (``_step_panel``)."""
     from matplotlib.lines import Line2D
@@ -321,7 +321,7 @@ def figure(summary: pd.DataFrame, by_step: pd.DataFrame, epsilons: list[float], 
     handles += [Line2D([], [], color="0.3", marker=mk, ls="none", label=name) for name, mk in DESIGN_MARKERS.items()
                 if any(r["design"] == name and _family(r) not in TARGET_FAMILIES for r in drawn)]
     handles += [Line2D([], [], color="0.3", marker="*", ms=11, ls="none", label="target (poisson)")]
-    handles += [Line2D([], [], color="0.3", marker="o", markerfacecolor="none", ls="none", label="budget 0.25")
+    handles += [Line2D([], [], color="0.3", marker="o", markerfacecolor="none", ls="none", label="budget < 0.5")
                 ] if hollow_drawn else []
     handles += [Line2D([], [], color="0.3", marker="o", ls="none", label="budget 0.5"),
                 Line2D([], [], color="black", ls=":", label="full cache; bottom: 1 - delta"),
