@@ -266,8 +266,8 @@ def figure(summary: pd.DataFrame, by_step: pd.DataFrame, epsilons: list[float], 
            pdf: Path) -> None:
     """Per model (columns): kept bytes (share of the full cache) on x; accuracy and the realized error's 95th
     percentile (e/‖ô‖) on y. Colour: the cell family (fixed budgets, AdaKV, PyramidKV, the targets, the peers'
-    sampler); marker: the design (targets as stars); budgets below 50% hollow, 50% filled; the study's ε as dashed lines,
-    the full cache's accuracy dotted. Bottom row: the decode rows certainly within ε per decode step
+    sampler); marker: the design (targets as stars); budgets below 50% hollow, 50% filled; the study's ε as dashed
+    lines, the full cache's accuracy dotted. Bottom row: the decode rows certainly within ε per decode step
     (``_step_panel``)."""
     from matplotlib.lines import Line2D
 
