@@ -251,9 +251,11 @@ def _step_panel(ax, by_step: pd.DataFrame, model: str, epsilons: list[float], de
     dashed below it) and the fixed Poisson budget of one half at each ε, in its family's colour; 1 − δ dotted."""
     m = by_step[by_step["model"] == model]
     for configuration, g in m.groupby("configuration", sort=False):
-        family = configuration.split(" ")[0]
-        family = "uncapped" if family == "target" and " cap " in configuration else family
-        if family not in TARGET_FAMILIES and configuration != "fixed poisson 0.5":
+        if configuration.startswith("target "):  # configuration_name: a target at another cap names its cap
+            family = "uncapped" if " cap " in configuration else "target"
+        elif configuration == "fixed poisson 0.5":
+            family = "fixed"
+        else:
             continue
         for eps, e in g.groupby("epsilon", sort=False):
             ax.plot(e["step"], e["coverage_low"], color=FAMILY_COLORS.get(family, "0.3"), lw=1.2,
@@ -312,7 +314,7 @@ def figure(summary: pd.DataFrame, by_step: pd.DataFrame, epsilons: list[float], 
     axes[0, 0].set_ylabel("accuracy (%)")
     axes[1, 0].set_ylabel("95th pct of ||o_hat - o|| / ||o_hat||")
     axes[2, 0].set_ylabel("decode rows certainly within eps")
-    # The legend names only what is drawn (the held-out check has neither clt nor a 25% budget).
+    # The legend names only what is drawn (the held-out checks have no clt; the first has no budget below 0.5).
     drawn = summary[summary["configuration"] != "full"].to_dict("records")
     families = {_family(r) for r in drawn}
     hollow_drawn = any(_family(r) not in (*TARGET_FAMILIES, "clt") and float(r["budget"]) < 0.5 for r in drawn)
