@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SNAKEMAKE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake
 
-.PHONY: install peers peers-heldout model device-check device-carry device-check-standin test test-heldout test-long test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4 reproduce-v4-full reproduce-v5-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity certified-budgets certified-budgets-heldout certified-budgets-heldout-2 verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
+.PHONY: install peers peers-heldout model device-check device-carry device-check-standin test test-heldout test-long test-fast smoke smoke-reference reproduce reproduce-full reproduce-v4 reproduce-v4-full reproduce-v5-full reproduce-v1 reproduce-v2 reproduce-v3 sensitivity certified-budgets certified-budgets-heldout certified-budgets-heldout-2 certified-budgets-floor certified-budgets-heldout-3 verify-results lock lock-amendment verify dryrun report test-slurm slurm-up slurm-down clean-smoke \
 	rehearse-paper plan
 
 $(STAMP): pyproject.toml
@@ -179,6 +179,16 @@ certified-budgets-heldout: install
 ## seed, the targets with and without the cap, and check.csv, the criterion's verdict per model, target and cap.
 certified-budgets-heldout-2: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=certified-budgets-heldout-2
+
+## The targets with a per-head floor at half the cap, on the study's items (workflow/scales/certified-budgets-floor.yaml):
+## the remedy chosen after the second check; with the study's targets and fixed budgets made again beside it.
+certified-budgets-floor: install
+	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=certified-budgets-floor
+
+## The floor's held-out check, pre-registered with it (workflow/scales/certified-budgets-heldout-3.yaml): a fresh
+## task and data seed; check.csv against certified-budgets-floor's summary (run make certified-budgets-floor first).
+certified-budgets-heldout-3: install
+	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=certified-budgets-heldout-3
 
 ## An amendment's pilot and design (make pilot-amendment AMENDMENT=N; default the newest): its data names the
 ## pilot method; `staged`: stages A-D per model on pilot items, the rules applied (pilot.csv, population.yaml);

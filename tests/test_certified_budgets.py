@@ -144,3 +144,23 @@ def test_a_target_at_another_cap_is_named_by_its_cap_and_drawn_as_its_own_family
                 (("poisson", "target_0.05"), ("clt", "target_0.05"), ("poisson", "uncapped_0.05"), ("topk", "adakv"))]
     assert families == ["target", "clt", "uncapped", "adakv"]
     assert set(script.TARGET_FAMILIES) <= set(script.FAMILY_COLORS)
+
+
+def test_a_floored_target_is_named_by_its_floor_and_kept_apart_from_the_unfloored_one(script, cells, tmp_path):
+    # A floored_<eps> cell (target_floor set) at the same eps and cap as a target_<eps> cell: its rows must not be
+    # pooled with the unfloored ones in any table. Here the floored cell reads the same tables, so its rows equal
+    # the target's row for row under its own name.
+    assert script.configuration_name("floored_0.1", "poisson", 0.5, 0.1, 0.25) == "target 0.1 floor 0.25"
+    assert script.configuration_name("other_0.1", "poisson", 1.0, 0.1, 0.25) == "target 0.1 floor 0.25 cap 1"
+    assert script.configuration_name("target_0.1", "poisson", 0.5, 0.1, np.nan) == "target 0.1"
+    assert script._family({"design": "poisson", "variant": "floored_0.1"}) in script.TARGET_FAMILIES
+    floored = {**cells["m-target_0.1"], "variant": "floored_0.1", "target_floor": 0.25}
+    both = {**cells, "m-floored_0.1": floored}
+    script.main(both, [0.1], 0.05, tmp_path / "out", tmp_path / "fig.png", tmp_path / "fig.pdf")
+    summary = pd.read_csv(tmp_path / "out" / "summary.csv").set_index("configuration")
+    assert summary.loc["target 0.1", "n_items"] == summary.loc["target 0.1 floor 0.25", "n_items"] == 2
+    numbers = ["accuracy", "kept_fraction", "n_step_rows", "coverage_low_0.1", "coverage_high_0.1"]
+    assert summary.loc["target 0.1", numbers].equals(summary.loc["target 0.1 floor 0.25", numbers])
+    targets = pd.read_csv(tmp_path / "out" / "targets.csv")
+    by = targets[targets["layer"] == "all"].set_index("configuration")
+    assert by.loc["target 0.1", "n_heads"] == by.loc["target 0.1 floor 0.25", "n_heads"] == 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -100,6 +101,27 @@ def test_the_choice_is_the_brute_force_smallest_size(error, sliding):
         assert _brute_prediction(view, pi, h, 0.05) == pytest.approx(float(choice.predicted[0, h]), rel=1e-6)
 
 
+@pytest.mark.parametrize("floor", [0.05, 0.3, 0.5, 0.9])
+def test_a_floor_raises_the_choice_to_it_and_changes_nothing_above_it(floor):
+    """With a floor the choice is the smallest size >= retained_count(floor) whose prediction meets ε: by the
+    brute-force scan, the larger of the floor's count and the unfloored choice (the prediction is monotone)."""
+    view, scores = _layer(seed=3)
+    free = choose_expected_counts(view, scores, Target(0.1, delta=0.05), 0.9, OPTIONS)
+    floored = choose_expected_counts(view, scores, Target(0.1, delta=0.05, floor=floor), 0.9, OPTIONS)
+    floor_count = retained_count(floor, 240, 4, 16)
+    for h in range(2):
+        unfloored = _brute_force_count(view, scores, h, 0.1, 0.05, 0.9)
+        assert int(floored.expected_count[0, h]) == max(floor_count, unfloored)
+        assert bool(floored.met[0, h])
+    assert torch.equal(floored.expected_count, torch.maximum(free.expected_count, torch.tensor(floor_count)))
+    # a floor at the cap keeps the cap everywhere, met or not
+    at_cap = choose_expected_counts(view, scores, Target(1e-4, floor=0.9), 0.9, OPTIONS)
+    assert torch.equal(at_cap.expected_count, torch.full((1, 2), retained_count(0.9, 240, 4, 16)))
+    with pytest.raises(ValueError, match=r"^target_floor=0.95 exceeds the cap budget=0.9: the floor must not "
+                                         r"exceed the cap$"):
+        choose_expected_counts(view, scores, Target(0.1, floor=0.95), 0.9, OPTIONS)
+
+
 def test_the_calibrated_certificate_is_what_the_target_checks():
     """factor 2 on the paper certificate: meeting ε calibrated is meeting ε/2 uncalibrated."""
     view, scores = _layer(seed=1)
@@ -161,6 +183,10 @@ def test_the_prediction_is_the_expected_realized_trace_on_the_observed_queries()
     (("poisson", 0.1, 0.0), r"target_delta=0.0: must lie in \(0, 1\)"),
     (("topk", 0.1, None), "target_error=0.1 needs design 'poisson'.*got design 'topk'"),
     (("poisson", None, 0.1), "target_delta=0.1 is set but target_error is null"),
+    (("poisson", 0.1, None, 0.0), r"target_floor=0.0: must lie in \(0, 1\] \(a fraction of the prefix\)"),
+    (("poisson", 0.1, None, 1.5), r"target_floor=1.5: must lie in \(0, 1\]"),
+    (("poisson", None, None, 0.25), "target_floor=0.25 is set but target_error is null: a floor is part of a target"),
+    (("clt", 0.1, None, 0.25), "target_floor=0.25 applies to design 'poisson'.*design 'clt' keeps the whole cache"),
 ])
 def test_a_bad_target_gets_one_line(args, message):
     with pytest.raises(ValueError, match=message) as err:
@@ -239,12 +265,22 @@ def test_generate_with_a_target_keeps_the_chosen_sizes_and_logs_them(monkeypatch
     assert (loose.target_choice["expected_count"] < loose.target_choice["cap_count"]).all()
     assert (tight.target_choice["expected_count"] > loose.target_choice["expected_count"]).all()
     assert loose.retained_tokens < tight.retained_tokens
+    # a floor: every head's size is at least its count, the loose target adding nothing above it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TargetNotMetWarning)
+        floored = kvcert.generate(model, tokenizer, **args, budget=1.0, target_error=1.0, target_floor=0.6)
+    floor_count = retained_count(0.6, int(floored.target_choice["context_tokens"].iloc[0]))
+    assert (floored.target_choice["expected_count"] == np.maximum(loose.target_choice["expected_count"],
+                                                                  floor_count)).all()
+    assert floored.retained_tokens > loose.retained_tokens
 
     monkeypatch.setattr(kvcert.generation, "prefill", lambda *a, **k: pytest.fail("computed before refusing"))
     with pytest.raises(ValueError, match="needs design 'poisson'"):
         kvcert.generate(model, tokenizer, **{**args, "design": "topk"}, budget=0.5, target_error=0.1)
     with pytest.raises(ValueError, match="target_error=0.0: must be a number > 0"):
         kvcert.generate(model, tokenizer, **args, budget=0.5, target_error=0.0)
+    with pytest.raises(ValueError, match=r"^target_floor=0.6 exceeds the cap budget=0.5"):
+        kvcert.generate(model, tokenizer, **args, budget=0.5, target_error=0.1, target_floor=0.6)
 
 
 @pytest.mark.filterwarnings("ignore::kvcert.targets.TargetNotMetWarning")  # the cap binds here; not what is tested
@@ -277,6 +313,11 @@ def test_generate_checks_the_target_against_the_calibrated_certificate():
     (["designs=[poisson,clt]"], "designs=[..., clt]: design clt samples at decode time against a target: set "
                                 "target_error (and target_delta)"),
     (["target_delta=0.1"], "target_delta=0.1 is set but target_error is null: give both or neither"),
+    (["target_error=0.1", "designs=[poisson]", "budgets=[0.25,0.5]", "target_floor=0.3"], "target_floor=0.3 exceeds "
+     "budgets=[0.25]: the budget is the target's cap, and the floor must not exceed it"),
+    (["target_floor=0.25"], "target_floor=0.25 is set but target_error is null: a floor is part of a target"),
+    (["target_error=0.1", "designs=[poisson,clt]", "budgets=[0.5]", "target_floor=0.25"], "target_floor=0.25 "
+     "applies to design 'poisson' (the sample chosen at prefill); design 'clt' keeps the whole cache"),
     (["target_error=0.1", "designs=[poisson]", "calibration=design"], "calibration='design': a target is checked "
      "against a fitted calibration file only (the data-free 'design' correction depends on the realized sample)"),    (["target_error=0.1", "designs=[poisson]", "allocator=adakv"], "allocator=adakv: a target chooses each KV "
      "head's sample size itself; drop target_error or the allocator"),
@@ -300,7 +341,8 @@ def test_a_cell_without_a_target_keeps_its_identity_and_its_config_yaml():
     cfg = compose(["out_dir=x"])
     written = config_yaml(cfg)
     before = "".join(line for line in OmegaConf.to_yaml(cfg, resolve=True).splitlines(keepends=True)
-                     if not line.startswith(("target_error:", "target_delta:", "allocator:", "allocator_options:")))
+                     if not line.startswith(("target_error:", "target_delta:", "target_floor:", "allocator:",
+                                             "allocator_options:")))
     assert written == before and "target" not in written
     assert not any(k.startswith("target") for k in _identity(cfg, [], "f")["config"])
     targeted = compose(["out_dir=x", "target_error=0.1", "designs=[poisson]"])

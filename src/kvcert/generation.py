@@ -570,6 +570,7 @@ def generate(
     allocator_options: dict | None = None,
     target_error: float | None = None,
     target_delta: float | None = None,
+    target_floor: float | None = None,
 ) -> GenerationResult:
     """Generate an answer to ``question`` about ``context`` on a compressed cache, with certificates.
 
@@ -589,9 +590,13 @@ def generate(
     level δ (default ``delta``) for design ``poisson``, the budget being its cap (``kvcert.targets``): per layer
     and KV head the smallest expected sample whose certificate (the calibrated one, given a calibration file),
     predicted on the observation window's queries, is within ε; the choice is ``target_choice``. Pairs that
-    miss ε even at the cap keep the cap, and a ``TargetNotMetWarning`` says how many.
+    miss ε even at the cap keep the cap, and a ``TargetNotMetWarning`` says how many; target_floor: a fraction
+    of the prefix every KV head keeps at least (at most ``budget``), the target choosing only what it adds.
     """
-    target = None if policy == FULL else check_target(design, target_error, target_delta)
+    target = None if policy == FULL else check_target(design, target_error, target_delta, target_floor)
+    if target is not None and target.floor is not None and target.floor > budget:
+        raise ValueError(f"target_floor={target.floor:g} exceeds the cap budget={budget:g}: the floor must not exceed "
+                         "the cap")
     prompt = build_prompt(tokenizer, context, question, answer_prefix, setting=setting,
                           max_new_tokens=max_new_tokens, limit=model_limit(model, max_context_tokens),
                           truncate=truncate)

@@ -105,6 +105,9 @@ class RunConfig:
                                          "on the observation window, meets it; budgets are caps. null: fixed budgets",
                                          elided_at_default=True)
     target_delta: Optional[float] = knob(None, "the target's delta in (0, 1); null: delta", elided_at_default=True)
+    target_floor: Optional[float] = knob(None, "a fraction of the prefix in (0, 1] every KV head keeps at least, the "
+                                         "target choosing only what it adds (design poisson; at most every budget); "
+                                         "null: no floor", elided_at_default=True)
     # Any, not Optional[dict]: OmegaConf cannot merge a mapping from the command line into a typed null.
     policy_options: Any = knob(None, "per policy, its dataclass options, e.g. {snapkv: {kernel_size: 7, pooling: max}}",
                                design_knob=True)

@@ -45,12 +45,15 @@ WINDOW_RULE_DEFAULT = 1.0  # the maximum over the window's queries
 
 @dataclass(frozen=True)
 class Target:
-    """A target relative error ``error`` (ε, on ‖ô − o‖/‖o‖) at level ``delta`` (the certificate's δ), and the
-    rule aggregating the window's queries: ``window_quantile`` in (0, 1], 1 = the maximum."""
+    """A target relative error ``error`` (ε, on ‖ô − o‖/‖o‖) at level ``delta`` (the certificate's δ), the
+    rule aggregating the window's queries (``window_quantile`` in (0, 1], 1 = the maximum) and an optional
+    ``floor``: a fraction of the prefix in (0, 1] that every KV head keeps at least, the target choosing only what
+    it adds (None: the sinks + recent window are the only floor)."""
 
     error: float
     delta: float = DELTA
     window_quantile: float = WINDOW_RULE_DEFAULT
+    floor: float | None = None
 
     def __post_init__(self):
         if not (isinstance(self.error, (int, float)) and math.isfinite(self.error) and self.error > 0):
@@ -59,6 +62,8 @@ class Target:
             raise ValueError(f"target_delta={self.delta!r}: must lie in (0, 1)")
         if not 0.0 < self.window_quantile <= 1.0:
             raise ValueError(f"window_quantile={self.window_quantile!r}: must lie in (0, 1]")
+        if self.floor is not None and not (isinstance(self.floor, (int, float)) and 0.0 < self.floor <= 1.0):
+            raise ValueError(f"target_floor={self.floor!r}: must lie in (0, 1] (a fraction of the prefix)")
 
 
 @dataclass(frozen=True)
@@ -309,14 +314,20 @@ def choose_expected_counts(view: LayerView, scores: torch.Tensor, target: Target
     calibration: the layer's calibrated certificate, checked against the target instead of ε̂_rel; terms: the
     layer's window_terms when already computed (check=False: rows of several layers stacked, view only typed).
     Bisection over integer counts in [sinks + recent window, retained_count(budget, n)] (the prediction is
-    non-increasing in the count: see the module's docstring).
+    non-increasing in the count: see the module's docstring), the lower end raised to retained_count(floor, n)
+    when the target has a floor.
     """
     n = scores.shape[-1]
     if check and (scores.shape[:2] != view.keys.shape[:2] or n != view.n):
         raise ValueError(f"scores {tuple(scores.shape)} do not match the layer's keys {tuple(view.keys.shape)}")
+    if target.floor is not None and target.floor > budget:
+        raise ValueError(f"target_floor={target.floor:g} exceeds the cap budget={budget:g}: the floor must not exceed "
+                         "the cap")
     terms = terms if terms is not None else window_terms(view)
     cap = retained_count(budget, n, options.n_sink, options.n_recent)
     low = minimum_count(n, options.n_sink, options.n_recent)
+    if target.floor is not None:  # every head keeps the uniform floor; the target decides only what is added
+        low = max(low, retained_count(target.floor, n, options.n_sink, options.n_recent))
     shape = scores.shape[:-1]
 
     flat = scores.reshape(-1, n).to(torch.float64)
@@ -369,7 +380,7 @@ def cap_binding_message(choice: pd.DataFrame, target: Target, budget: float) -> 
         return None
     return (f"target_error={target.error:g}: {missed} of {len(choice)} (layer, KV head) pairs are predicted above "
             f"it even at the cap budget={budget:g} and keep the cap (target_choice['met'] is False there); "
-            "a larger budget lets them meet it")
+            "budget=1.0 lifts the cap")
 
 
 # The per-(layer, KV head) log of a targeted selection (GenerationResult.target_choice; a target cell's
@@ -449,19 +460,25 @@ class _RowScales:
         return torch.maximum(calibrated, self.floor)
 
 
-def check_target(design: str, target_error, target_delta) -> Target | None:
+def check_target(design: str, target_error, target_delta, target_floor=None) -> Target | None:
     """The Target of ``generate``'s / a cell's keys, or None without one; one clear line for a bad one."""
     if target_error is None:
         if target_delta is not None:
             raise ValueError(f"target_delta={target_delta!r} is set but target_error is null: give both or neither")
+        if target_floor is not None:
+            raise ValueError(f"target_floor={target_floor!r} is set but target_error is null: a floor is part of a "
+                             "target")
         if design == "clt":
             raise ValueError(CLT_NEEDS_TARGET)
         return None
     if design not in TARGET_DESIGNS:
         raise ValueError(f"target_error={target_error!r} needs design 'poisson' (a Poisson sample of the chosen size) "
                          f"or 'clt' (the decode-time sampler); got design {design!r}")
+    if target_floor is not None and design != "poisson":
+        raise ValueError(f"target_floor={target_floor!r} applies to design 'poisson' (the sample chosen at prefill); "
+                         f"design {design!r} keeps the whole cache")
     return Target(error=float(target_error) if isinstance(target_error, (int, float)) else target_error,
-                  delta=DELTA if target_delta is None else target_delta)
+                  delta=DELTA if target_delta is None else target_delta, floor=target_floor)
 
 
 __all__ = ["CHOICE_COLUMNS", "CalibratedScale", "Target", "TargetChoice", "WindowTerms", "calibrated_scales",

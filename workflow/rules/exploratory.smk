@@ -27,10 +27,12 @@ EXPLORATORY_OUTPUTS = [
 
 
 def certified_cells(study):
-    """{cell: {model, variant, target_error (None: fixed budgets), dirs}} of a certified-budgets study."""
+    """{cell: {model, variant, target_error (None: fixed budgets), target_floor (None: none), dirs}} of a
+    certified-budgets study."""
     spec = EXPLORATORY[study]
     return {cell: {"model": c["model"], "variant": spec["variant"][cell],
                    "target_error": override_value(cell_overrides(S, c), "target_error"),
+                   "target_floor": override_value(cell_overrides(S, c), "target_floor"),
                    "dirs": [d for d in cell_dirs(study) if f"/cells/{cell}/" in d]}
             for cell, c in spec["cells"].items()}
 

@@ -4,7 +4,8 @@ against fixed budgets and budget allocators, on the cells of an exploratory stud
 
 A configuration is one (cell variant, design, budget) of one model: ``fixed topk 0.25``, ``adakv poisson 0.5``,
 ``target 0.1`` (a ``target_<eps>`` cell's design poisson, the budget its cap; a target cell of another variant
-names its cap: ``target 0.1 cap 1``), ``clt 0.1`` (the same cell's design clt: the
+names its cap: ``target 0.1 cap 1``), ``target 0.1 floor 0.25`` (a ``floored_<eps>`` cell: the target with
+``target_floor``, every KV head keeping at least that fraction), ``clt 0.1`` (the same cell's design clt: the
 peers' decode-time CLT-sized sampler at the same ε and δ; it keeps the whole cache),
 and ``full`` (the full cache). Tables, under
 the study's folder:
@@ -74,11 +75,14 @@ def error_bounds(true_err: np.ndarray, out_norm: np.ndarray) -> tuple[np.ndarray
     return low, high, stored
 
 
-def configuration_name(variant: str, design: str, budget: float, target_error) -> str:
+def configuration_name(variant: str, design: str, budget: float, target_error, target_floor=np.nan) -> str:
     if design == "full":
         return "full"
     if design == "clt":
         return f"clt {target_error:g}"
+    if pd.notna(target_error) and pd.notna(target_floor):  # floored targets (variant floored_<eps>) at the cap
+        name = f"target {target_error:g} floor {target_floor:g}"
+        return name if variant.startswith("floored") else f"{name} cap {budget:g}"
     if pd.notna(target_error):  # the study's targets (variant target_<eps>) at its cap; any other cap is named
         return f"target {target_error:g}" if variant.startswith("target") else f"target {target_error:g} cap {budget:g}"
     return f"{variant.split('_')[0] if variant.startswith('target') else variant} {design} {budget:g}"
@@ -97,21 +101,23 @@ def _read(dirs: list[str], name: str) -> pd.DataFrame:
 def load(cells: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(items, steps, choices) of every cell, each row tagged with model, variant, target_error, configuration.
 
-    cells: {cell: {"model", "variant", "target_error" (float or None), "dirs": [shard dirs]}}. The full cache is
-    kept once per model (every cell decodes it on the same items): from the first cell listed.
+    cells: {cell: {"model", "variant", "target_error" (float or None), "target_floor" (float or None, optional),
+    "dirs": [shard dirs]}}. The full cache is kept once per model (every cell decodes it on the same items): from
+    the first cell listed.
     """
     items, steps, choices, full_seen = [], [], [], set()
     for cell, spec in cells.items():
-        target = spec.get("target_error")
+        target, floor = spec.get("target_error"), spec.get("target_floor")
         tags = {"model": spec["model"], "variant": spec["variant"],
-                "target_error": np.nan if target is None else float(target)}
+                "target_error": np.nan if target is None else float(target),
+                "target_floor": np.nan if floor is None else float(floor)}
         cell_items = _read(spec["dirs"], "items.parquet").assign(**tags)
         if spec["model"] in full_seen:
             cell_items = cell_items[cell_items["policy"] != "full"].copy()
         full_seen.add(spec["model"])
         is_full = cell_items["policy"] == "full"
         cell_items.loc[is_full, "variant"] = "full"
-        cell_items.loc[is_full, "target_error"] = np.nan
+        cell_items.loc[is_full, ["target_error", "target_floor"]] = np.nan
         if "allocator" not in cell_items:
             cell_items["allocator"] = "uniform"
         cell_items["allocator"] = cell_items["allocator"].fillna("uniform")
@@ -123,8 +129,9 @@ def load(cells: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     for frame in out:
         if len(frame):
             design = np.where(frame["policy"] == "full", "full", frame["design"]) if "policy" in frame else frame["design"]
-            frame["configuration"] = [configuration_name(v, d, b, t) for v, d, b, t in
-                                      zip(frame["variant"], design, frame["budget"], frame["target_error"])]
+            frame["configuration"] = [configuration_name(v, d, b, t, f) for v, d, b, t, f in
+                                      zip(frame["variant"], design, frame["budget"], frame["target_error"],
+                                          frame["target_floor"])]
     return out[0], out[1], out[2]
 
 
@@ -230,9 +237,10 @@ def target_table(choices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
 
 
 FAMILY_COLORS = {"fixed": "tab:blue", "adakv": "tab:orange", "pyramidkv": "tab:green", "target": "tab:red",
-                 "uncapped": "tab:brown", "clt": "tab:purple"}
-FAMILY_LABELS = {"uncapped": "target, cap 1"}
-TARGET_FAMILIES = ("target", "uncapped")  # drawn as stars: the study's targets and the same with no cap
+                 "uncapped": "tab:brown", "floored": "tab:olive", "clt": "tab:purple"}
+FAMILY_LABELS = {"uncapped": "target, cap 1", "floored": "target, floor"}
+# drawn as stars: the study's targets, the same with no cap and with a floor
+TARGET_FAMILIES = ("target", "uncapped", "floored")
 DESIGN_MARKERS = {"topk": "s", "poisson": "o", "clt": "X"}
 # A small horizontal offset per allocator family, so that equal results (AdaKV on one KV head, PyramidKV where it
 # falls back to uniform) stay visible side by side.
@@ -251,8 +259,8 @@ def _step_panel(ax, by_step: pd.DataFrame, model: str, epsilons: list[float], de
     dashed below it) and the fixed Poisson budget of one half at each ε, in its family's colour; 1 − δ dotted."""
     m = by_step[by_step["model"] == model]
     for configuration, g in m.groupby("configuration", sort=False):
-        if configuration.startswith("target "):  # configuration_name: a target at another cap names its cap
-            family = "uncapped" if " cap " in configuration else "target"
+        if configuration.startswith("target "):  # configuration_name names a floor, and a cap other than the study's
+            family = "floored" if " floor " in configuration else "uncapped" if " cap " in configuration else "target"
         elif configuration == "fixed poisson 0.5":
             family = "fixed"
         else:
@@ -293,8 +301,8 @@ def figure(summary: pd.DataFrame, by_step: pd.DataFrame, epsilons: list[float], 
             x = float(r["kept_bytes_fraction"]) + FAMILY_DODGE.get(family, 0.0)
             axes[0, col].plot(x, r["accuracy"], **style)
             axes[1, col].plot(x, r["rel_err_p95"], **style)
-            if family == "uncapped":  # which ε, in the error panel right of its star (the accuracy panel has the
-                # capped targets' labels next to it; the error panel separates the two ε by height)
+            if family in ("uncapped", "floored"):  # which ε, in the error panel right of its star (the accuracy
+                # panel has the capped targets' labels next to it; the error panel separates the two ε by height)
                 axes[1, col].annotate(f"ε={r['target_error']:g}", (x, r["rel_err_p95"]), textcoords="offset points",
                                       xytext=(8, -3), fontsize=7, color=color)
             elif is_target or family == "clt":  # which ε, in the accuracy panel: a target's above (the largest ε)

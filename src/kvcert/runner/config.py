@@ -43,7 +43,7 @@ class CellConfig(schema.RunConfig):
     @property
     def target(self) -> Target | None:
         """The target of ``target_error``/``target_delta`` (design poisson), or None for fixed budgets."""
-        return check_target("poisson", self.target_error, self.target_delta)
+        return check_target("poisson", self.target_error, self.target_delta, self.target_floor)
 
     @property
     def grids(self) -> tuple[Grid, ...]:
@@ -321,7 +321,7 @@ def _check_target(cell: CellConfig) -> None:
     """A target (kvcert.targets) needs designs poisson or clt in every grid and, if calibrated, a fitted file of base
     paper; design clt needs a target."""
     designs = sorted({d for grid in cell.grids for d in grid.designs})
-    if cell.target_error is None and cell.target_delta is None:
+    if cell.target_error is None and cell.target_delta is None and cell.target_floor is None:
         if "clt" in designs:
             raise ConfigError("designs=[..., clt]: design clt samples at decode time against a target: set "
                               "target_error (and target_delta)")
@@ -331,12 +331,17 @@ def _check_target(cell: CellConfig) -> None:
                           "target_error or the allocator")
     try:
         for design in designs:
-            check_target(design, cell.target_error, cell.target_delta)
+            check_target(design, cell.target_error, cell.target_delta, cell.target_floor)
         if cell.calibration is not None:
             calibrated_scales(cell.calibration, setting=cell.setting, policy="", budget=0.0, n_layers=0,
                               check_only=True)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    below = sorted({b for grid in cell.grids for b in grid.budgets if cell.target_floor is not None
+                    and b < cell.target_floor})
+    if below:
+        raise ConfigError(f"target_floor={cell.target_floor:g} exceeds budgets={below}: the budget is the target's "
+                          "cap, and the floor must not exceed it")
 
 
 def _default(f: dataclasses.Field) -> dict[str, Any]:
