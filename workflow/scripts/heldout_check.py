@@ -1,6 +1,7 @@
 """A certified-budgets held-out check's pre-registered criterion (rule ``certified_budgets_check``): the check's
-``summary.csv`` against the study's, written before the check's cells ran (workflow/scales/
-certified-budgets-heldout-2.yaml). Exploratory: no claim reads it.
+``summary.csv`` against the study's (the scale's ``check.against``), written before the check's cells ran
+(workflow/scales/certified-budgets-heldout-2.yaml; certified-budgets-heldout-3.yaml applies it to the floored
+targets, against certified-budgets-floor's summary). Exploratory: no claim reads it.
 
 One row of ``check.csv`` per model and target configuration of the check (``target <eps>`` at the study's cap,
 ``target <eps> cap <budget>`` at another), beside the study's row of the same model and configuration:
