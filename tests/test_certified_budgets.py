@@ -32,10 +32,13 @@ def item(item_id, policy, design, budget, correct, retained, **extra):
             **extra}
 
 
-def steps(item_id, design, budget, layer, errors, norm=1.0):
+def steps(item_id, design, budget, layer, errors, norm=1.0, certs=None):
+    """certs: the rows' relative certificates (rel_cert); None: a design without one (NaN, as top-k and clt)."""
     return pd.DataFrame({"item_id": item_id, "policy": "snapkv", "design": design, "budget": budget, **KEYS,
                          "step": np.arange(len(errors)), "layer": layer, "kv_head": 0,
-                         "true_err": np.asarray(errors, dtype=np.float32), "out_norm": np.float32(norm)})
+                         "true_err": np.asarray(errors, dtype=np.float32), "out_norm": np.float32(norm),
+                         "rel_cert": np.asarray(np.full(len(errors), np.nan) if certs is None else certs,
+                                                dtype=np.float32)})
 
 
 @pytest.fixture()
@@ -52,7 +55,9 @@ def cells(tmp_path):
     #   certainly <= 0.1: 0.05 (<= 0.0527), 0.01 -> 2/4; possibly: also 0.095 (>= 0.0868) -> 3/4; e/‖ô‖: 3/4
     # layer 1: e = 0, 0.3, 2.0 (e > ‖ô‖: unbounded above) -> 1/3 in every form
     # the same cell's clt rows (the decode-time sampler keeps the whole cache): layer 0, e = 0.5, 0.01
-    pd.concat([steps("a", "poisson", 0.5, 0, [0.05, 0.095, 0.2, 0.01]), steps("a", "poisson", 0.5, 1, [0.0, 0.3, 2.0]),
+    # their certificates (rel_cert): layer 0 flags (> 0.1) only the row e = 0.095, layer 1 only e = 0.3
+    pd.concat([steps("a", "poisson", 0.5, 0, [0.05, 0.095, 0.2, 0.01], certs=[0.04, 0.2, 0.05, 0.01]),
+               steps("a", "poisson", 0.5, 1, [0.0, 0.3, 2.0], certs=[0.01, 0.5, 0.05]),
                steps("a", "clt", 0.5, 0, [0.5, 0.01])], ignore_index=True).to_parquet(target / "steps.parquet")
     pd.DataFrame([{"item_id": "a", "policy": "snapkv", "design": "poisson", "budget": 0.5, **KEYS, "layer": layer,
                    "kv_head": 0, "expected_count": count, "cap_count": 50, "context_tokens": 100, "retained": count,
@@ -164,3 +169,40 @@ def test_a_floored_target_is_named_by_its_floor_and_kept_apart_from_the_unfloore
     targets = pd.read_csv(tmp_path / "out" / "targets.csv")
     by = targets[targets["layer"] == "all"].set_index("configuration")
     assert by.loc["target 0.1", "n_heads"] == by.loc["target 0.1 floor 0.25", "n_heads"] == 2
+
+
+def test_certificate_flags_match_a_hand_computation(script, cells, tmp_path):
+    out = tmp_path / "out"
+    script.main(cells, [0.1, 0.05], 0.05, out, tmp_path / "fig.png", tmp_path / "fig.pdf")
+    flags = pd.read_csv(out / "certificate_flags.csv")
+    # only the poisson rows carry a certificate (top-k and clt have none), measured at the target's own ε
+    assert set(flags["configuration"]) == {"target 0.1"} and set(flags["epsilon"]) == {0.1}
+    assert set(flags["sizing"]) == {"target"} and set(flags["family"]) == {"target"}
+    by = flags.set_index("layer")
+    # 7 rows: certainly above 0.1 are layer 0's e = 0.2 and layer 1's 0.3 and 2.0; possibly also layer 0's 0.095.
+    # Flagged: layer 0's 0.095 and layer 1's 0.3. So of the 3 rows certainly above, 1 is caught; 2 rows above (in
+    # either form) are silent.
+    overall = by.loc["all"]
+    assert overall["n_step_rows"] == 7
+    assert overall[["above_low", "above_high", "flagged", "caught", "silent_low", "silent_high"]].tolist() == \
+        pytest.approx([3 / 7, 4 / 7, 2 / 7, 1 / 3, 2 / 7, 2 / 7])
+    # the met head (layer 0) has 4 decode rows, one flagged: the prediction's miss the certificate reports
+    assert overall["n_met_step_rows"] == 4 and overall["met_flagged"] == pytest.approx(0.25)
+    assert by.loc["0", ["caught", "silent_low", "silent_high"]].tolist() == pytest.approx([0.0, 0.25, 0.25])
+    assert by.loc["1", "n_met_step_rows"] == 0 and np.isnan(by.loc["1", "met_flagged"])
+    assert flags["level"].tolist() == pytest.approx([0.95] * 3)
+
+
+def test_certificate_flags_of_a_fixed_budget_at_every_study_level(script):
+    s = steps("a", "poisson", 0.25, 0, [0.02, 0.07, 0.2], certs=[0.03, 0.08, 0.3]).assign(
+        model="m", configuration="adakv poisson 0.25", variant="adakv", target_error=np.nan)
+    s["err_low"], s["err_high"], s["err_stored"] = script.error_bounds(s["true_err"].to_numpy(),
+                                                                       s["out_norm"].to_numpy())
+    flags = script.certificate_flags(pd.DataFrame(), s, [0.1, 0.05], 0.05)
+    overall = flags[flags["layer"] == "all"].set_index("epsilon")
+    assert sorted(overall.index) == [0.05, 0.1]
+    assert set(overall["sizing"]) == {"fixed"} and set(overall["family"]) == {"adakv"}
+    # at 0.1: e = 0.2 certainly above and flagged; at 0.05: 0.07 too (0.07/1.07 > 0.05), flagged (0.08)
+    assert overall.loc[0.1, ["above_low", "flagged", "caught", "silent_low"]].tolist() == pytest.approx([1 / 3, 1 / 3, 1, 0])
+    assert overall.loc[0.05, ["above_low", "flagged", "caught", "silent_low"]].tolist() == pytest.approx([2 / 3, 2 / 3, 1, 0])
+    assert overall["n_met_step_rows"].tolist() == [0, 0] and overall["met_flagged"].isna().all()

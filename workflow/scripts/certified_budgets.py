@@ -25,6 +25,15 @@ the study's folder:
   prediction missed ε even at the cap, so they keep the cap). A target's coverage in ``summary.csv`` is the
   row-weighted mix of the two, which says whether a difference in coverage between workloads comes from the
   prediction or from how many heads the cap binds.
+* ``certificate_flags.csv``, per configuration with a certificate (design poisson), ε and layer (and ``layer`` =
+  all): what the certificate reported at each decode step, in the relative form a user sees while decoding
+  (``rel_cert`` = ε̂_δ/‖ô‖), against the realized error: the share of decode rows above ε, the share the
+  certificate flags (its relative form above ε), the share of the rows certainly above ε that it flags
+  (``caught``), and the rows above ε that it does not flag (``silent_low`` certainly above, ``silent_high``
+  possibly above, as shares of every row; the certificate at level δ promises that its own bound is exceeded on at
+  most about δ of them). For a target, also the share of the met heads' decode rows it flags (``met_flagged``):
+  the prediction's misses that the decoding certificate itself reports. Added after the held-out checks 1 to 3
+  were read; exploratory, as the whole study.
 
 The relative error. The target is on ‖ô − o‖/‖o‖ (o the full cache's output); steps.parquet stores ‖ô − o‖
 (``true_err``) and ‖ô‖ (``out_norm``), not ‖o‖. Since ‖ô‖ − e ≤ ‖o‖ ≤ ‖ô‖ + e (e = ‖ô − o‖), the error relative to
@@ -58,6 +67,9 @@ STEP_COLUMNS = ["model", "configuration", "epsilon", "step", "n_step_rows", "cov
 TARGET_COLUMNS = ["model", "configuration", "target_error", "layer", "n_heads", "heads_met", "expected_fraction",
                   "n_met_step_rows", "exceed_low", "exceed_high", "exceed_stored", "met_heads_exceeding",
                   "n_capped_step_rows", "capped_coverage_low", "capped_coverage_high"]
+FLAG_COLUMNS = ["model", "configuration", "sizing", "family", "epsilon", "layer", "n_step_rows", "above_low",
+                "above_high", "flagged", "caught", "silent_low", "silent_high", "n_met_step_rows", "met_flagged",
+                "level"]
 
 
 def error_bounds(true_err: np.ndarray, out_norm: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -236,6 +248,46 @@ def target_table(choices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=TARGET_COLUMNS)
 
 
+def _flag_row(s: pd.DataFrame, eps: float) -> dict:
+    """The flag columns of decode rows ``s`` (with err_low, err_high, rel_cert and met, NaN where not a target)."""
+    above_low, above_high = s["err_low"].to_numpy() > eps, s["err_high"].to_numpy() > eps
+    flagged = s["rel_cert"].to_numpy() > eps
+    met = s["met"].to_numpy() == True  # noqa: E712 (NaN outside a target: not met)
+    return {"n_step_rows": int(len(s)), "above_low": float(above_low.mean()), "above_high": float(above_high.mean()),
+            "flagged": float(flagged.mean()),
+            "caught": float(flagged[above_low].mean()) if above_low.any() else np.nan,
+            "silent_low": float((above_low & ~flagged).mean()), "silent_high": float((above_high & ~flagged).mean()),
+            "n_met_step_rows": int(met.sum()), "met_flagged": float(flagged[met].mean()) if met.any() else np.nan}
+
+
+def certificate_flags(choices: pd.DataFrame, steps: pd.DataFrame, epsilons: list[float], delta: float) -> pd.DataFrame:
+    """Per model, configuration with a certificate, ε (a target's own, else each study level) and layer (and
+    ``layer`` = "all"): how the certificate reported while decoding compares with the realized error
+    (FLAG_COLUMNS; the module docstring), with the configuration's sizing (``target`` where it has a target error,
+    else ``fixed``) and colour family (``fixed``, ``adakv``, ``target``, ``floored`` ...). A row is flagged where ``rel_cert`` (ε̂_δ/‖ô‖: ‖o‖ is unknown while
+    decoding) exceeds ε; a row is above ε certainly where err_low > ε, possibly where err_high > ε."""
+    s = steps[np.isfinite(steps["rel_cert"])] if "rel_cert" in steps else steps.iloc[:0]
+    if len(choices) and len(s):
+        joined_on = ["model", "configuration", *KEYS, "layer", "kv_head"]
+        met = choices[joined_on].assign(met=choices["met"].astype(bool))
+        s = s.merge(met, on=joined_on, how="left", validate="many_to_one")
+    else:
+        s = s.assign(met=np.nan)
+    rows = []
+    for (model, configuration), c in s.groupby(["model", "configuration"], sort=False):
+        target = c["target_error"].iloc[0]
+        sizing = "fixed" if pd.isna(target) else "target"
+        family = _family({"design": c["design"].iloc[0], "variant": c["variant"].iloc[0]})
+        for eps in [float(target)] if pd.notna(target) else epsilons:
+            for layer in ["all", *sorted(c["layer"].unique())]:
+                cl = c if layer == "all" else c[c["layer"] == layer]
+                rows.append({"model": model, "configuration": configuration, "sizing": sizing, "family": family,
+                             "epsilon": float(eps),
+                             "layer": layer if layer == "all" else int(layer), **_flag_row(cl, float(eps)),
+                             "level": 1 - delta})
+    return pd.DataFrame(rows, columns=FLAG_COLUMNS)
+
+
 FAMILY_COLORS = {"fixed": "tab:blue", "adakv": "tab:orange", "pyramidkv": "tab:green", "target": "tab:red",
                  "uncapped": "tab:brown", "floored": "tab:olive", "clt": "tab:purple"}
 FAMILY_LABELS = {"uncapped": "target, cap 1", "floored": "target, floor"}
@@ -354,6 +406,8 @@ def main(cells: dict, epsilons: list[float], delta: float, out_dir: Path, png: P
     by_step = coverage_by_step(steps, epsilons, delta)
     write_text_atomic(by_step.round(6).to_csv(index=False), Path(out_dir) / "coverage_by_step.csv")
     write_text_atomic(target_table(choices, steps).round(6).to_csv(index=False), Path(out_dir) / "targets.csv")
+    write_text_atomic(certificate_flags(choices, steps, epsilons, delta).round(6).to_csv(index=False),
+                      Path(out_dir) / "certificate_flags.csv")
     figure(summary, by_step, epsilons, delta, png, pdf)
 
 
