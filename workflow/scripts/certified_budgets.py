@@ -324,17 +324,44 @@ def _step_panel(ax, by_step: pd.DataFrame, model: str, epsilons: list[float], de
     ax.set_xlabel("decode step")
 
 
+def _marker_style(r, family: str) -> dict:
+    """A summary row's marker: its family's colour, its design's marker (targets as stars), budgets below 50% hollow."""
+    is_target = family in TARGET_FAMILIES
+    color = FAMILY_COLORS.get(family, "0.3")
+    hollow = not is_target and family != "clt" and float(r["budget"]) < 0.5
+    return dict(marker="*" if is_target else DESIGN_MARKERS.get(r["design"], "o"), ms=13 if is_target else 7,
+                ls="none", color=color, markerfacecolor="none" if hollow else color, markeredgewidth=1.4, alpha=0.85)
+
+
+def _flag_panel(ax, flags: pd.DataFrame, summary: pd.DataFrame, model: str, delta: float) -> None:
+    """Per configuration with a certificate and ε (all layers): the decode rows possibly above ε (x) against those
+    of them the per-step certificate left unflagged (y, ``silent_high``); y = x is a certificate that flags
+    nothing, y = δ dotted what a certificate at level δ allows."""
+    rows = flags[(flags["model"] == model) & (flags["layer"].astype(str) == "all")].merge(
+        summary[summary["model"] == model], on=["model", "configuration"], how="inner")
+    for _, r in rows.iterrows():
+        ax.plot(r["above_high"], r["silent_high"], **_marker_style(r, _family(r)))
+    top = max(1.5 * delta, 1.2 * float(rows["silent_high"].max())) if len(rows) else 1.5 * delta
+    ax.axline((0, 0), slope=1, color="0.5", lw=0.8, ls="-.")
+    ax.axhline(delta, color="black", lw=0.8, ls=":")
+    ax.set_ylim(0, top)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("decode rows possibly above eps")
+
+
 def figure(summary: pd.DataFrame, by_step: pd.DataFrame, epsilons: list[float], delta: float, png: Path,
-           pdf: Path) -> None:
+           pdf: Path, flags: pd.DataFrame | None = None) -> None:
     """Per model (columns): kept bytes (share of the full cache) on x; accuracy and the realized error's 95th
     percentile (e/‖ô‖) on y. Colour: the cell family (fixed budgets, AdaKV, PyramidKV, the targets, the peers'
     sampler); marker: the design (targets as stars); budgets below 50% hollow, 50% filled; the study's ε as dashed
-    lines, the full cache's accuracy dotted. Bottom row: the decode rows certainly within ε per decode step
-    (``_step_panel``)."""
+    lines, the full cache's accuracy dotted. Third row: the decode rows certainly within ε per decode step
+    (``_step_panel``); last row, given ``flags`` (certificate_flags.csv): what the per-step certificate left
+    unflagged of the rows above ε (``_flag_panel``)."""
     from matplotlib.lines import Line2D
 
     models = list(dict.fromkeys(summary["model"]))
-    fig, axes = plt.subplots(3, len(models), figsize=(4.8 * len(models), 9.6), squeeze=False)
+    n_rows = 3 if flags is None else 4
+    fig, axes = plt.subplots(n_rows, len(models), figsize=(4.8 * len(models), 3.2 * n_rows), squeeze=False)
     for col in range(len(models)):
         axes[0, col].sharex(axes[1, col])
     for col, model in enumerate(models):
@@ -346,10 +373,7 @@ def figure(summary: pd.DataFrame, by_step: pd.DataFrame, epsilons: list[float], 
             family = _family(r)
             is_target = family in TARGET_FAMILIES
             color = FAMILY_COLORS.get(family, "0.3")
-            hollow = not is_target and family != "clt" and float(r["budget"]) < 0.5
-            style = dict(marker="*" if is_target else DESIGN_MARKERS.get(r["design"], "o"), ms=13 if is_target else 7,
-                         ls="none", color=color, markerfacecolor="none" if hollow else color, markeredgewidth=1.4,
-                         alpha=0.85)
+            style = _marker_style(r, family)
             x = float(r["kept_bytes_fraction"]) + FAMILY_DODGE.get(family, 0.0)
             axes[0, col].plot(x, r["accuracy"], **style)
             axes[1, col].plot(x, r["rel_err_p95"], **style)
@@ -371,9 +395,13 @@ def figure(summary: pd.DataFrame, by_step: pd.DataFrame, epsilons: list[float], 
         for ax in axes[:2, col]:  # room for the labels right of the rightmost stars (both panels share x)
             ax.margins(x=0.15)
         _step_panel(axes[2, col], by_step, model, epsilons, delta)
+        if flags is not None:
+            _flag_panel(axes[3, col], flags, summary, model, delta)
     axes[0, 0].set_ylabel("accuracy (%)")
     axes[1, 0].set_ylabel("95th pct of ||o_hat - o|| / ||o_hat||")
     axes[2, 0].set_ylabel("decode rows certainly within eps")
+    if flags is not None:
+        axes[3, 0].set_ylabel("rows above eps, certificate silent")
     # The legend names only what is drawn (the held-out checks have no clt; the first has no budget below 0.5).
     drawn = summary[summary["configuration"] != "full"].to_dict("records")
     families = {_family(r) for r in drawn}
@@ -386,10 +414,11 @@ def figure(summary: pd.DataFrame, by_step: pd.DataFrame, epsilons: list[float], 
     handles += [Line2D([], [], color="0.3", marker="o", markerfacecolor="none", ls="none", label="budget < 0.5")
                 ] if hollow_drawn else []
     handles += [Line2D([], [], color="0.3", marker="o", ls="none", label="budget 0.5"),
-                Line2D([], [], color="black", ls=":", label="full cache; bottom: 1 - delta"),
+                Line2D([], [], color="black", ls=":", label="full cache, 1 - delta, delta"),
                 Line2D([], [], color="0.4", ls="--", label="target errors"),
-                Line2D([], [], color="0.3", ls="-", label=f"bottom: eps {max(epsilons):g}"),
-                Line2D([], [], color="0.3", ls="--", label="bottom: smaller eps")]
+                Line2D([], [], color="0.3", ls="-", label=f"per step: eps {max(epsilons):g}"),
+                Line2D([], [], color="0.3", ls="--", label="per step: smaller eps")]
+    handles += [Line2D([], [], color="0.5", ls="-.", label="no flag at all")] if flags is not None else []
     fig.legend(handles=handles, loc="lower center", ncol=7, fontsize=7, frameon=False)
     fig.suptitle("Exploratory: certified budgets")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
@@ -406,9 +435,9 @@ def main(cells: dict, epsilons: list[float], delta: float, out_dir: Path, png: P
     by_step = coverage_by_step(steps, epsilons, delta)
     write_text_atomic(by_step.round(6).to_csv(index=False), Path(out_dir) / "coverage_by_step.csv")
     write_text_atomic(target_table(choices, steps).round(6).to_csv(index=False), Path(out_dir) / "targets.csv")
-    write_text_atomic(certificate_flags(choices, steps, epsilons, delta).round(6).to_csv(index=False),
-                      Path(out_dir) / "certificate_flags.csv")
-    figure(summary, by_step, epsilons, delta, png, pdf)
+    flags = certificate_flags(choices, steps, epsilons, delta)
+    write_text_atomic(flags.round(6).to_csv(index=False), Path(out_dir) / "certificate_flags.csv")
+    figure(summary, by_step, epsilons, delta, png, pdf, flags)
 
 
 if __name__ == "__main__":  # run by Snakemake's script directive
