@@ -206,3 +206,28 @@ def test_certificate_flags_of_a_fixed_budget_at_every_study_level(script):
     assert overall.loc[0.1, ["above_low", "flagged", "caught", "silent_low"]].tolist() == pytest.approx([1 / 3, 1 / 3, 1, 0])
     assert overall.loc[0.05, ["above_low", "flagged", "caught", "silent_low"]].tolist() == pytest.approx([2 / 3, 2 / 3, 1, 0])
     assert overall["n_met_step_rows"].tolist() == [0, 0] and overall["met_flagged"].isna().all()
+
+
+def test_certificate_items_score_wrong_answers_by_their_share_of_flagged_rows(script):
+    # Four items of one fixed Poisson configuration, two decode rows each (‖ô‖ = 1). Items c and d are wrong.
+    # Flagged (rel_cert > 0.1): a 0 of 2, b 1, c 1, d 2 -> right items 0.25, wrong 0.75. Over the four (wrong,
+    # right) pairs the wrong item scores higher three times and ties once (c, b): AUC (1 + 1 + 1 + 0.5) / 4.
+    # Certainly above 0.1 (e/(1 + e) > 0.1): only a's second row; the right item a beats both wrong ones and
+    # b ties them: AUC (0 + 0 + 0.5 + 0.5) / 4.
+    certs = {"a": [0.05, 0.05], "b": [0.2, 0.05], "c": [0.05, 0.3], "d": [0.2, 0.3]}
+    errors = {"a": [0.01, 0.5], "b": [0.01, 0.01], "c": [0.01, 0.01], "d": [0.01, 0.01]}
+    s = pd.concat([steps(i, "poisson", 0.5, 0, errors[i], certs=certs[i]) for i in certs], ignore_index=True).assign(
+        model="m", configuration="fixed poisson 0.5", variant="fixed", target_error=np.nan)
+    s["err_low"], s["err_high"], s["err_stored"] = script.error_bounds(s["true_err"].to_numpy(),
+                                                                       s["out_norm"].to_numpy())
+    items = pd.DataFrame([item(i, "snapkv", "poisson", 0.5, i in ("a", "b"), 50) for i in certs]).assign(
+        model="m", configuration="fixed poisson 0.5")
+    table = script.certificate_items(items, s, [0.1])
+    row = table.iloc[0]
+    assert len(table) == 1 and row["n_items"] == 4 and row["n_wrong"] == 2
+    assert row[["flagged_right", "flagged_wrong", "above_right", "above_wrong"]].tolist() == \
+        pytest.approx([0.25, 0.75, 0.25, 0.0])
+    assert row["auc_flagged"] == pytest.approx(0.875) and row["auc_above"] == pytest.approx(0.25)
+    # every item right: no AUC
+    same = script.certificate_items(items.assign(correct=True), s, [0.1]).iloc[0]
+    assert same["n_wrong"] == 0 and np.isnan(same["auc_flagged"]) and np.isnan(same["flagged_wrong"])

@@ -10,7 +10,8 @@ from kvcert.scales import override_value
 SENSITIVITY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "sensitivity"]
 CERTIFIED_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "certified_budgets"]
 ACCURACY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "accuracy"]
-CERTIFIED_TABLES = ("summary", "coverage_by_layer", "coverage_by_step", "targets", "certificate_flags")
+CERTIFIED_TABLES = ("summary", "coverage_by_layer", "coverage_by_step", "targets", "certificate_flags",
+                    "certificate_items")
 # Held-out checks: a certified-budgets study whose `check` names the study it is checked against and its criterion
 # (workflow/scripts/heldout_check.py), written before the check's cells ran.
 CHECKED_STUDIES = [name for name in CERTIFIED_STUDIES if S["exploratory"][name].get("check")]
@@ -85,6 +86,7 @@ rule certified_budgets:
         by_step=f"{OUT}/{{name}}/coverage_by_step.csv",
         targets=f"{OUT}/{{name}}/targets.csv",
         flags=f"{OUT}/{{name}}/certificate_flags.csv",
+        flag_items=f"{OUT}/{{name}}/certificate_items.csv",
         png=report(f"{FIG}/{{name}}/{{name}}.png", category="Exploratory"),
         pdf=f"{FIG}/{{name}}/{{name}}.pdf",
     log:

@@ -34,6 +34,10 @@ the study's folder:
   most about δ of them). For a target, also the share of the met heads' decode rows it flags (``met_flagged``):
   the prediction's misses that the decoding certificate itself reports. Added after the held-out checks 1 to 3
   were read; exploratory, as the whole study.
+* ``certificate_items.csv``, per configuration with a certificate and ε: per item, the share of its decode rows
+  the certificate flags and the share certainly above ε, averaged over the items answered right and over those
+  answered wrong, and the area under the ROC curve of each share as a score for a wrong answer (``auc_flagged``,
+  ``auc_above``; 0.5: no information; empty where every item has the same outcome). Added with the table above.
 
 The relative error. The target is on ‖ô − o‖/‖o‖ (o the full cache's output); steps.parquet stores ‖ô − o‖
 (``true_err``) and ‖ô‖ (``out_norm``), not ‖o‖. Since ‖ô‖ − e ≤ ‖o‖ ≤ ‖ô‖ + e (e = ‖ô − o‖), the error relative to
@@ -288,6 +292,39 @@ def certificate_flags(choices: pd.DataFrame, steps: pd.DataFrame, epsilons: list
     return pd.DataFrame(rows, columns=FLAG_COLUMNS)
 
 
+ITEM_COLUMNS = ["model", "configuration", "epsilon", "n_items", "n_wrong", "flagged_right", "flagged_wrong",
+                "above_right", "above_wrong", "auc_flagged", "auc_above"]
+
+
+def certificate_items(items: pd.DataFrame, steps: pd.DataFrame, epsilons: list[float]) -> pd.DataFrame:
+    """Per model, configuration with a certificate and ε (as certificate_flags): whether an item's share of
+    flagged decode rows (``rel_cert`` > ε) or of rows certainly above ε tells a wrong answer from a right one
+    (ITEM_COLUMNS; the module docstring). An item is wrong where its ``correct`` is false."""
+    from sklearn.metrics import roc_auc_score
+
+    s = steps[np.isfinite(steps["rel_cert"])] if "rel_cert" in steps else steps.iloc[:0]
+    rows = []
+    for (model, configuration), c in s.groupby(["model", "configuration"], sort=False):
+        target = c["target_error"].iloc[0]
+        outcome = items.loc[(items["model"] == model) & (items["configuration"] == configuration),
+                            ["model", "configuration", *KEYS, "correct"]]
+        for eps in [float(target)] if pd.notna(target) else epsilons:
+            shares = (c.assign(flag=c["rel_cert"] > eps, above=c["err_low"] > eps)
+                      .groupby(["model", "configuration", *KEYS])[["flag", "above"]].mean().reset_index()
+                      .merge(outcome, on=["model", "configuration", *KEYS], how="inner", validate="one_to_one"))
+            wrong = ~shares["correct"].astype(bool)
+            both = wrong.nunique() == 2
+            rows.append({"model": model, "configuration": configuration, "epsilon": float(eps),
+                         "n_items": int(len(shares)), "n_wrong": int(wrong.sum()),
+                         "flagged_right": float(shares.loc[~wrong, "flag"].mean()) if (~wrong).any() else np.nan,
+                         "flagged_wrong": float(shares.loc[wrong, "flag"].mean()) if wrong.any() else np.nan,
+                         "above_right": float(shares.loc[~wrong, "above"].mean()) if (~wrong).any() else np.nan,
+                         "above_wrong": float(shares.loc[wrong, "above"].mean()) if wrong.any() else np.nan,
+                         "auc_flagged": float(roc_auc_score(wrong, shares["flag"])) if both else np.nan,
+                         "auc_above": float(roc_auc_score(wrong, shares["above"])) if both else np.nan})
+    return pd.DataFrame(rows, columns=ITEM_COLUMNS)
+
+
 FAMILY_COLORS = {"fixed": "tab:blue", "adakv": "tab:orange", "pyramidkv": "tab:green", "target": "tab:red",
                  "uncapped": "tab:brown", "floored": "tab:olive", "clt": "tab:purple"}
 FAMILY_LABELS = {"uncapped": "target, cap 1", "floored": "target, floor"}
@@ -437,6 +474,8 @@ def main(cells: dict, epsilons: list[float], delta: float, out_dir: Path, png: P
     write_text_atomic(target_table(choices, steps).round(6).to_csv(index=False), Path(out_dir) / "targets.csv")
     flags = certificate_flags(choices, steps, epsilons, delta)
     write_text_atomic(flags.round(6).to_csv(index=False), Path(out_dir) / "certificate_flags.csv")
+    write_text_atomic(certificate_items(items, steps, epsilons).round(6).to_csv(index=False),
+                      Path(out_dir) / "certificate_items.csv")
     figure(summary, by_step, epsilons, delta, png, pdf, flags)
 
 
