@@ -192,6 +192,18 @@ def test_certificate_flags_match_a_hand_computation(script, cells, tmp_path):
     assert by.loc["1", "n_met_step_rows"] == 0 and np.isnan(by.loc["1", "met_flagged"])
     assert flags["level"].tolist() == pytest.approx([0.95] * 3)
 
+    heads = pd.read_csv(out / "certificate_heads.csv").set_index("layer")
+    assert set(heads["configuration"]) == {"target 0.1"} and len(heads) == 2
+    # layer 0: e = 0.05, 0.095, 0.2, 0.01 (mean 0.08875), certificates mean 0.075, one row flagged, one certainly
+    # above (0.2, not flagged: silent); it keeps 20 of 100 and met ε
+    assert heads.loc[0, ["n_step_rows", "rel_err_mean", "rel_cert_mean", "flagged", "above_low", "silent_low",
+                         "kept_fraction", "heads_met", "rank"]].tolist() == \
+        pytest.approx([4, 0.08875, 0.075, 0.25, 0.25, 0.25, 0.2, 1.0, 2], abs=1e-6)  # the table's 6 decimals
+    # layer 1: e = 0, 0.3, 2.0 (mean 0.7667, the largest: rank 1); 0.3 flagged, 2.0 silent; it keeps the cap, 50
+    assert heads.loc[1, ["rel_err_mean", "rel_cert_mean", "flagged", "above_low", "silent_low", "kept_fraction",
+                         "heads_met", "rank"]].tolist() == \
+        pytest.approx([2.3 / 3, 0.56 / 3, 1 / 3, 2 / 3, 1 / 3, 0.5, 0.0, 1], abs=1e-6)
+
 
 def test_certificate_flags_of_a_fixed_budget_at_every_study_level(script):
     s = steps("a", "poisson", 0.25, 0, [0.02, 0.07, 0.2], certs=[0.03, 0.08, 0.3]).assign(
@@ -206,6 +218,8 @@ def test_certificate_flags_of_a_fixed_budget_at_every_study_level(script):
     assert overall.loc[0.1, ["above_low", "flagged", "caught", "silent_low"]].tolist() == pytest.approx([1 / 3, 1 / 3, 1, 0])
     assert overall.loc[0.05, ["above_low", "flagged", "caught", "silent_low"]].tolist() == pytest.approx([2 / 3, 2 / 3, 1, 0])
     assert overall["n_met_step_rows"].tolist() == [0, 0] and overall["met_flagged"].isna().all()
+    heads = script.certificate_heads(pd.DataFrame(), s, [0.1, 0.05])
+    assert len(heads) == 2 and heads["kept_fraction"].isna().all() and heads["rank"].tolist() == [1, 1]
 
 
 def test_certificate_items_score_wrong_answers_by_their_share_of_flagged_rows(script):

@@ -11,7 +11,7 @@ SENSITIVITY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analy
 CERTIFIED_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "certified_budgets"]
 ACCURACY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "accuracy"]
 CERTIFIED_TABLES = ("summary", "coverage_by_layer", "coverage_by_step", "targets", "certificate_flags",
-                    "certificate_items")
+                    "certificate_items", "certificate_heads")
 # Held-out checks: a certified-budgets study whose `check` names the study it is checked against and its criterion
 # (workflow/scripts/heldout_check.py), written before the check's cells ran.
 CHECKED_STUDIES = [name for name in CERTIFIED_STUDIES if S["exploratory"][name].get("check")]
@@ -87,6 +87,7 @@ rule certified_budgets:
         targets=f"{OUT}/{{name}}/targets.csv",
         flags=f"{OUT}/{{name}}/certificate_flags.csv",
         flag_items=f"{OUT}/{{name}}/certificate_items.csv",
+        flag_heads=f"{OUT}/{{name}}/certificate_heads.csv",
         png=report(f"{FIG}/{{name}}/{{name}}.png", category="Exploratory"),
         pdf=f"{FIG}/{{name}}/{{name}}.pdf",
     log:

@@ -38,6 +38,11 @@ the study's folder:
   the certificate flags and the share certainly above ε, averaged over the items answered right and over those
   answered wrong, and the area under the ROC curve of each share as a score for a wrong answer (``auc_flagged``,
   ``auc_above``; 0.5: no information; empty where every item has the same outcome). Added with the table above.
+* ``certificate_heads.csv``, per configuration with a certificate, ε, layer and KV head: the head's mean
+  realized error (e/‖ô‖) and mean ``rel_cert`` over its decode rows, the shares flagged, certainly above ε and
+  silent (certainly above, not flagged), for a target the mean kept share of the context (expected count over
+  context tokens) and the share of items whose prediction met ε, and the head's ``rank`` by mean error within
+  its configuration and ε (1: the largest). Where a pooled share hides a few heads. Added with the tables above.
 
 The relative error. The target is on ‖ô − o‖/‖o‖ (o the full cache's output); steps.parquet stores ‖ô − o‖
 (``true_err``) and ‖ô‖ (``out_norm``), not ‖o‖. Since ‖ô‖ − e ≤ ‖o‖ ≤ ‖ô‖ + e (e = ‖ô − o‖), the error relative to
@@ -325,6 +330,38 @@ def certificate_items(items: pd.DataFrame, steps: pd.DataFrame, epsilons: list[f
     return pd.DataFrame(rows, columns=ITEM_COLUMNS)
 
 
+HEAD_COLUMNS = ["model", "configuration", "epsilon", "layer", "kv_head", "n_step_rows", "rel_err_mean",
+                "rel_cert_mean", "flagged", "above_low", "silent_low", "kept_fraction", "heads_met", "rank"]
+
+
+def certificate_heads(choices: pd.DataFrame, steps: pd.DataFrame, epsilons: list[float]) -> pd.DataFrame:
+    """Per model, configuration with a certificate, ε (as certificate_flags), layer and KV head: HEAD_COLUMNS (the
+    module docstring); kept_fraction and heads_met are empty outside a target."""
+    s = steps[np.isfinite(steps["rel_cert"])] if "rel_cert" in steps else steps.iloc[:0]
+    head = ["layer", "kv_head"]
+    frames = []
+    for (model, configuration), c in s.groupby(["model", "configuration"], sort=False):
+        target = c["target_error"].iloc[0]
+        chosen = choices[(choices["model"] == model) & (choices["configuration"] == configuration)] \
+            if len(choices) else pd.DataFrame()
+        kept = (chosen.assign(kept_fraction=chosen["expected_count"] / chosen["context_tokens"],
+                              heads_met=chosen["met"].astype(float)).groupby(head)[["kept_fraction", "heads_met"]]
+                .mean() if len(chosen) else None)
+        for eps in [float(target)] if pd.notna(target) else epsilons:
+            flag, above = c["rel_cert"] > eps, c["err_low"] > eps
+            g = (c.assign(flagged=flag, above_low=above, silent_low=above & ~flag)
+                 .groupby(head).agg(n_step_rows=("err_stored", "size"), rel_err_mean=("err_stored", "mean"),
+                                    rel_cert_mean=("rel_cert", "mean"), flagged=("flagged", "mean"),
+                                    above_low=("above_low", "mean"), silent_low=("silent_low", "mean")))
+            g = (g.join(kept, how="left") if kept is not None else g.assign(kept_fraction=np.nan, heads_met=np.nan)
+                 ).reset_index()
+            g["rank"] = g["rel_err_mean"].rank(ascending=False, method="first").astype(int)
+            frames.append(g.assign(model=model, configuration=configuration, epsilon=float(eps)))
+    if not frames:
+        return pd.DataFrame(columns=HEAD_COLUMNS)
+    return pd.concat(frames, ignore_index=True)[HEAD_COLUMNS]
+
+
 FAMILY_COLORS = {"fixed": "tab:blue", "adakv": "tab:orange", "pyramidkv": "tab:green", "target": "tab:red",
                  "uncapped": "tab:brown", "floored": "tab:olive", "clt": "tab:purple"}
 FAMILY_LABELS = {"uncapped": "target, cap 1", "floored": "target, floor"}
@@ -476,6 +513,8 @@ def main(cells: dict, epsilons: list[float], delta: float, out_dir: Path, png: P
     write_text_atomic(flags.round(6).to_csv(index=False), Path(out_dir) / "certificate_flags.csv")
     write_text_atomic(certificate_items(items, steps, epsilons).round(6).to_csv(index=False),
                       Path(out_dir) / "certificate_items.csv")
+    write_text_atomic(certificate_heads(choices, steps, epsilons).round(6).to_csv(index=False),
+                      Path(out_dir) / "certificate_heads.csv")
     figure(summary, by_step, epsilons, delta, png, pdf, flags)
 
 
