@@ -215,8 +215,9 @@ def test_certificate_flags_of_a_fixed_budget_at_every_study_level(script):
     assert sorted(overall.index) == [0.05, 0.1]
     assert set(overall["sizing"]) == {"fixed"} and set(overall["family"]) == {"adakv"}
     # at 0.1: e = 0.2 certainly above and flagged; at 0.05: 0.07 too (0.07/1.07 > 0.05), flagged (0.08)
-    assert overall.loc[0.1, ["above_low", "flagged", "caught", "silent_low"]].tolist() == pytest.approx([1 / 3, 1 / 3, 1, 0])
-    assert overall.loc[0.05, ["above_low", "flagged", "caught", "silent_low"]].tolist() == pytest.approx([2 / 3, 2 / 3, 1, 0])
+    columns = ["above_low", "flagged", "caught", "silent_low"]
+    assert overall.loc[0.1, columns].tolist() == pytest.approx([1 / 3, 1 / 3, 1, 0])
+    assert overall.loc[0.05, columns].tolist() == pytest.approx([2 / 3, 2 / 3, 1, 0])
     assert overall["n_met_step_rows"].tolist() == [0, 0] and overall["met_flagged"].isna().all()
     heads = script.certificate_heads(pd.DataFrame(), s, [0.1, 0.05])
     assert len(heads) == 2 and heads["kept_fraction"].isna().all() and heads["rank"].tolist() == [1, 1]

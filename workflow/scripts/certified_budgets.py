@@ -257,6 +257,11 @@ def target_table(choices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=TARGET_COLUMNS)
 
 
+def _certified(steps: pd.DataFrame) -> pd.DataFrame:
+    """The decode rows that carry a certificate (design poisson; top-k and clt have none)."""
+    return steps[np.isfinite(steps["rel_cert"])] if "rel_cert" in steps else steps.iloc[:0]
+
+
 def _flag_row(s: pd.DataFrame, eps: float) -> dict:
     """The flag columns of decode rows ``s`` (with err_low, err_high, rel_cert and met, NaN where not a target)."""
     above_low, above_high = s["err_low"].to_numpy() > eps, s["err_high"].to_numpy() > eps
@@ -273,9 +278,10 @@ def certificate_flags(choices: pd.DataFrame, steps: pd.DataFrame, epsilons: list
     """Per model, configuration with a certificate, ε (a target's own, else each study level) and layer (and
     ``layer`` = "all"): how the certificate reported while decoding compares with the realized error
     (FLAG_COLUMNS; the module docstring), with the configuration's sizing (``target`` where it has a target error,
-    else ``fixed``) and colour family (``fixed``, ``adakv``, ``target``, ``floored`` ...). A row is flagged where ``rel_cert`` (ε̂_δ/‖ô‖: ‖o‖ is unknown while
-    decoding) exceeds ε; a row is above ε certainly where err_low > ε, possibly where err_high > ε."""
-    s = steps[np.isfinite(steps["rel_cert"])] if "rel_cert" in steps else steps.iloc[:0]
+    else ``fixed``) and colour family (``fixed``, ``adakv``, ``target``, ``floored`` ...). A row is flagged where
+    ``rel_cert`` (ε̂_δ/‖ô‖: ‖o‖ is unknown while decoding) exceeds ε; a row is above ε certainly where err_low > ε,
+    possibly where err_high > ε."""
+    s = _certified(steps)
     if len(choices) and len(s):
         joined_on = ["model", "configuration", *KEYS, "layer", "kv_head"]
         met = choices[joined_on].assign(met=choices["met"].astype(bool))
@@ -307,7 +313,7 @@ def certificate_items(items: pd.DataFrame, steps: pd.DataFrame, epsilons: list[f
     (ITEM_COLUMNS; the module docstring). An item is wrong where its ``correct`` is false."""
     from sklearn.metrics import roc_auc_score
 
-    s = steps[np.isfinite(steps["rel_cert"])] if "rel_cert" in steps else steps.iloc[:0]
+    s = _certified(steps)
     rows = []
     for (model, configuration), c in s.groupby(["model", "configuration"], sort=False):
         target = c["target_error"].iloc[0]
@@ -337,7 +343,7 @@ HEAD_COLUMNS = ["model", "configuration", "epsilon", "layer", "kv_head", "n_step
 def certificate_heads(choices: pd.DataFrame, steps: pd.DataFrame, epsilons: list[float]) -> pd.DataFrame:
     """Per model, configuration with a certificate, ε (as certificate_flags), layer and KV head: HEAD_COLUMNS (the
     module docstring); kept_fraction and heads_met are empty outside a target."""
-    s = steps[np.isfinite(steps["rel_cert"])] if "rel_cert" in steps else steps.iloc[:0]
+    s = _certified(steps)
     head = ["layer", "kv_head"]
     frames = []
     for (model, configuration), c in s.groupby(["model", "configuration"], sort=False):
