@@ -196,11 +196,24 @@ def _coverage(s: pd.DataFrame, eps: float, form: str) -> float:
     return float((s[column] <= eps).mean())
 
 
+def _levels(target, epsilons: list[float]) -> list[float]:
+    """The ε a configuration is measured at: a target (or clt) at its own, anything else at each study level."""
+    return [float(target)] if pd.notna(target) else [float(e) for e in epsilons]
+
+
+HEAD_KEYS = ["model", "configuration", *KEYS, "layer", "kv_head"]
+
+
+def _met(choices: pd.DataFrame) -> pd.DataFrame:
+    """A target's choice per (HEAD_KEYS): whether its prediction met ε (``met``, bool)."""
+    return choices[HEAD_KEYS].assign(met=choices["met"].astype(bool))
+
+
 def _coverage_by(steps: pd.DataFrame, by: str, epsilons: list[float], delta: float) -> list[dict]:
     rows = []
     for (model, configuration, value), s in steps.groupby(["model", "configuration", by], sort=True):
         target = s["target_error"].iloc[0]
-        for eps in [target] if pd.notna(target) else epsilons:
+        for eps in _levels(target, epsilons):
             rows.append({"model": model, "configuration": configuration, "epsilon": float(eps), by: int(value),
                          "n_step_rows": int(len(s)), "coverage_low": _coverage(s, eps, "low"),
                          "coverage_high": _coverage(s, eps, "high"), "coverage_stored": _coverage(s, eps, "stored"),
@@ -229,9 +242,8 @@ def target_table(choices: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     ``capped_coverage_high``, as in ``summary.csv``)."""
     if not len(choices):
         return pd.DataFrame(columns=TARGET_COLUMNS)
-    joined_on = ["model", "configuration", *KEYS, "layer", "kv_head"]
     met = choices.assign(met=choices["met"].astype(bool))
-    decode = steps[steps["target_error"].notna()].merge(met[joined_on + ["met"]], on=joined_on, how="inner",
+    decode = steps[steps["target_error"].notna()].merge(_met(choices), on=HEAD_KEYS, how="inner",
                                                         validate="many_to_one")
     rows = []
     for (model, configuration), c in met.groupby(["model", "configuration"], sort=False):
@@ -283,9 +295,7 @@ def certificate_flags(choices: pd.DataFrame, steps: pd.DataFrame, epsilons: list
     possibly where err_high > ε."""
     s = _certified(steps)
     if len(choices) and len(s):
-        joined_on = ["model", "configuration", *KEYS, "layer", "kv_head"]
-        met = choices[joined_on].assign(met=choices["met"].astype(bool))
-        s = s.merge(met, on=joined_on, how="left", validate="many_to_one")
+        s = s.merge(_met(choices), on=HEAD_KEYS, how="left", validate="many_to_one")
     else:
         s = s.assign(met=np.nan)
     rows = []
@@ -293,7 +303,7 @@ def certificate_flags(choices: pd.DataFrame, steps: pd.DataFrame, epsilons: list
         target = c["target_error"].iloc[0]
         sizing = "fixed" if pd.isna(target) else "target"
         family = _family({"design": c["design"].iloc[0], "variant": c["variant"].iloc[0]})
-        for eps in [float(target)] if pd.notna(target) else epsilons:
+        for eps in _levels(target, epsilons):
             for layer in ["all", *sorted(c["layer"].unique())]:
                 cl = c if layer == "all" else c[c["layer"] == layer]
                 rows.append({"model": model, "configuration": configuration, "sizing": sizing, "family": family,
@@ -319,7 +329,7 @@ def certificate_items(items: pd.DataFrame, steps: pd.DataFrame, epsilons: list[f
         target = c["target_error"].iloc[0]
         outcome = items.loc[(items["model"] == model) & (items["configuration"] == configuration),
                             ["model", "configuration", *KEYS, "correct"]]
-        for eps in [float(target)] if pd.notna(target) else epsilons:
+        for eps in _levels(target, epsilons):
             shares = (c.assign(flag=c["rel_cert"] > eps, above=c["err_low"] > eps)
                       .groupby(["model", "configuration", *KEYS])[["flag", "above"]].mean().reset_index()
                       .merge(outcome, on=["model", "configuration", *KEYS], how="inner", validate="one_to_one"))
@@ -353,7 +363,7 @@ def certificate_heads(choices: pd.DataFrame, steps: pd.DataFrame, epsilons: list
         kept = (chosen.assign(kept_fraction=chosen["expected_count"] / chosen["context_tokens"],
                               heads_met=chosen["met"].astype(float)).groupby(head)[["kept_fraction", "heads_met"]]
                 .mean() if len(chosen) else None)
-        for eps in [float(target)] if pd.notna(target) else epsilons:
+        for eps in _levels(target, epsilons):
             flag, above = c["rel_cert"] > eps, c["err_low"] > eps
             g = (c.assign(flagged=flag, above_low=above, silent_low=above & ~flag)
                  .groupby(head).agg(n_step_rows=("err_stored", "size"), rel_err_mean=("err_stored", "mean"),
