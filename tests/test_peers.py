@@ -3,7 +3,11 @@
 kvpress 0.5.5 (NVIDIA's KV-cache compression library) pins transformers<5.3, so it cannot share kvcert's
 environment: `make peers` installs it into its own (.venv-peers, or the Python named by KVCERT_PEER_PYTHON),
 and tests/peers/kvpress_scores.py computes its scores there, on the same checkpoint and token ids, through
-kvpress's own presses' ``score``. Per layer and KV head, for every key of the prompt:
+kvpress's own presses' ``score``. Both sides run the model in float64 (its weights promoted exactly): a float32
+forward pass in two transformers versions is no reference for a score's definition. On one CI machine the two
+float32 runs gave keys whose norms differ by up to 1.0e-4 (relative) in SmolLM2's first layer and SnapKV scores by
+up to 2.7e-4, while the float64 runs of ExpectedAttention agreed to 1e-5 there. kvcert's scores run the same code
+in either precision. Per layer and KV head, for every key of the prompt:
 
 * SnapKV (Li et al., 2024): kvcert's ``snapkv`` gives kvpress's scores for every key before the observation
   window except the kernel_size // 2 keys just before it. There the two differ by design: kvpress pools
@@ -26,7 +30,11 @@ kvpress's own presses' ``score``. Per layer and KV head, for every key of the pr
   weight of its key norm): kvpress's min-max scaling divides 0 by 0 there, so its cross_scoring scores are NaN
   (checked) and its ranks an order of NaNs; kvcert leaves a channel without range out of the spread, and equals
   what kvpress's own spread (its ``_get_states_score``) gives on the other channels, combined as its ``score``
-  combines it (tests/peers/kvpress_scores.py).
+  combines it (tests/peers/kvpress_scores.py). A rank within a partition is an order of spreads, so where two
+  keys' spreads lie within rounding of each other the two may rank them the other way round: the test allows a
+  key's rank to differ only where its spread (kvcert's) lies within RTOL of the spread of the key kvpress put at
+  that rank (seen: SmolLM2 layer 22 on the tests' prompt, Gemma 3 layer 3 on held-out prompt seed 7, two keys
+  of one partition each, ranks next to each other).
 * CUR (CurDKV, Sengupta et al., 2025): equal for every key after the first 4, with the default options and with
   no local window and leverage kv_avg. kvpress overwrites its 4 sink keys' scores with 1 (checked); kvcert
   leaves the sinks to the design, which keeps its n_sink (4 by default) first keys with certainty. The sketched
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -56,7 +65,8 @@ from kvcert.theory import passkey_prompt
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PYTHON = Path(os.environ.get("KVCERT_PEER_PYTHON") or ROOT / ".venv-peers" / "bin" / "python")
 KVPRESS_SCORES = ROOT / "tests" / "peers" / "kvpress_scores.py"
-# float32 scores from the same operations in another transformers version: rounding only
+# float64 runs of the same operations in another transformers version, each score rounded to float32 by one
+# side or both (kvcert returns float32 scores; a softmax is taken in float32): rounding only
 RTOL, ATOL = 1e-5, 1e-9
 
 # model, filler paragraphs of the prompt, (observation window, pooling kernel) pairs. Gemma 3's prompt stays
@@ -102,7 +112,8 @@ def kvpress_scores(peer_python: Path, model, ids: torch.Tensor, settings, tmp_pa
 
 @pytest.fixture(scope="module", params=CASES)
 def compared(request, peer_python, tmp_path_factory):
-    """(model name, model, ids (1, n), settings, kvpress's scores) of one case, kvpress run once per model."""
+    """(model name, model in float64, ids (1, n), settings, kvpress's scores) of one case, kvpress run once per
+    model."""
     model_name, n_noise, settings = request.param
     if Path(model_name).is_dir():  # a held-out checkpoint: named by its folder
         model, tokenizer = kvcert.load_model({"kind": "hf", "name": model_name})
@@ -115,7 +126,7 @@ def compared(request, peer_python, tmp_path_factory):
     assert sliding is None or ids.shape[-1] < sliding, "the prompt must stay within the sliding window (see CASES)"
     peer = kvpress_scores(peer_python, model, ids, settings, tmp_path_factory.mktemp(model_name))
     assert sys.executable != str(peer_python)  # the peer ran in its own environment, not kvcert's
-    return model_name, model, ids, settings, peer
+    return model_name, copy.deepcopy(model).double(), ids, settings, peer  # in float64, as the peer ran it
 
 
 def pooled_window_share(view, window: int, kernel: int) -> np.ndarray:
@@ -179,8 +190,10 @@ def test_knorm_is_the_reciprocal_of_kvpress(compared):
     for i, mine in enumerate(state.scores("knorm")):
         theirs = peer[f"knorm_layer{i}"]  # -||k||
         assert mine.shape == theirs.shape and (theirs < 0).all()
+        # the first comparison of the two forward passes' keys: say on which machine they disagree
         np.testing.assert_allclose(mine.double().numpy(), -1.0 / theirs, rtol=RTOL, atol=0,
-                                   err_msg=f"{model_name} layer {i}")
+                                   err_msg=f"{model_name} layer {i} on {platform.machine()} "
+                                           f"({torch.backends.cpu.get_cpu_capability()})")
 
 
 # ---------------------------------------------------------------------------- budget allocators
@@ -293,63 +306,46 @@ def test_pyramidkv_layer_counts_equal_kvpress(compared):
 # the observation window of kvpress's SnapKV base (16):
 #
 # * ExpectedAttention (Devoto et al., 2025): kvcert's ``expected_attention`` gives kvpress's scores for every
-#   key after the n_sink (4) sinks, to RTOL_FLOAT64 (1e-5), with both models run in float64 (their float32 weights
-#   promoted exactly; kvpress_scores.py's exponential_scores_in_float64). The scores are exponentials of logits
-#   of size up to tens, built from the queries' mean and covariance, so a float32 run is no reference: on
-#   SmolLM2 with held-out prompt seed 3, kvpress's and kvcert's float32 scores each lie up to 3.8e-4 (relative)
-#   from their own float64 ones (layer 18), and from each other up to 6.3e-5, while the two float64 runs agree
-#   to 5.5e-8 (all measured). A float32 comparison at 5e-5, the test's former form, failed there. kvpress puts
-#   its sinks above every key; kvcert gives them the head's highest score (its design keeps its own sinks), in
-#   either precision. kvpress 0.5.5 calls the model's shared rotary embedding without a layer type, which Gemma 3's
-#   refuses: the peer script binds each layer's type, as the model's own forward does, and kvcert uses the
-#   layer's own tables.
+#   key after the n_sink (4) sinks. The scores are exponentials of logits of size up to tens, built from the
+#   queries' mean and covariance, so a float32 run would be no reference even on one machine: on SmolLM2 with
+#   held-out prompt seed 3, kvpress's and kvcert's float32 scores each lie up to 3.8e-4 (relative) from their own
+#   float64 ones (layer 18), while the two float64 runs agree to 5.5e-8 (all measured). kvpress puts its sinks
+#   above every key; kvcert gives them the head's highest score (its design keeps its own sinks). kvpress 0.5.5
+#   calls the model's shared rotary embedding without a layer type, which Gemma 3's refuses: the peer script binds
+#   each layer's type, as the model's own forward does, and kvcert uses the layer's own tables.
 # * CriticalKV (Feng et al., 2025) over SnapKV: with no first stage, kvpress's scores equal kvcert's
 #   ``criticalkv`` where the two SnapKVs agree (before the pooling edge), and the projected-norm factor
 #   score / (SnapKV + epsilon) is equal at every key. kvpress's default first stage, which depends on the
 #   budget and so has no place in a kvcert score, sets the top (1 − compression_ratio)·n·first_stage_ratio keys
 #   of the base press's scores to the largest float; the test checks that this is the only difference.
 # * ObservedAttention: kvcert's ``observed_attention`` gives kvpress's scores (attention weights of an eager
-#   run, hence RTOL_EXPONENTIAL again: its hidden states round differently from the SDPA run's). No float64
-#   comparison: transformers' eager attention takes its softmax in float32 in a float64 model too, and kvcert
-#   accumulates attention in float32 by design, so a float64 run is no more exact here. kvcert's
+#   run) to RTOL_EXPONENTIAL: transformers' eager attention takes its softmax in float32 in a float64 model too,
+#   and kvcert accumulates attention over the queries in float32 by design. kvcert's
 #   ``h2o`` differs from it by the normalisation only: h2o = observed_attention · (n − j), the n − j queries at
 #   or after key j, checked on kvcert's own scores.
-RTOL_EXPONENTIAL, RTOL_FLOAT64 = 5e-5, 1e-5
+RTOL_EXPONENTIAL = 5e-5
 WINDOW = 16
 
 
 @pytest.fixture(scope="module")
 def scorer_prefill(compared):
-    """One kvcert prefill of the case's prompt that collects what the three policies need."""
+    """One kvcert prefill of the case's prompt (float64) that collects what the three policies need."""
     model_name, model, ids, _, peer = compared
     state = kvcert.prefill(model, ids, observation_window=WINDOW, accumulate=True, query_statistics=True,
                            pre_rope_keys=True)
     return model_name, model, ids, peer, state
 
 
-@pytest.fixture(scope="module")
-def scorer_prefill_float64(scorer_prefill):
-    """The same prefill with the model in float64 (its float32 weights promoted exactly), as the peer script's
-    exponential_scores_in_float64 runs kvpress."""
-    _, model, ids, _, _ = scorer_prefill
-    return kvcert.prefill(copy.deepcopy(model).double(), ids, observation_window=WINDOW, accumulate=True,
-                          query_statistics=True, pre_rope_keys=True)
-
-
-def test_expected_attention_equals_kvpress(scorer_prefill, scorer_prefill_float64):
+def test_expected_attention_equals_kvpress(scorer_prefill):
     model_name, model, ids, peer, state = scorer_prefill
     n, hk, sinks = ids.shape[-1], model.config.num_key_value_heads, 4
-    pairs = zip(state.scores("expected_attention"), scorer_prefill_float64.scores("expected_attention"))
-    for i, (mine, mine64) in enumerate(pairs):
-        theirs, theirs64 = peer[f"expected_attention_layer{i}"], peer[f"expected_attention_float64_layer{i}"]
-        mine, mine64 = mine.double().numpy(), mine64.double().numpy()
-        assert mine.shape == theirs.shape == mine64.shape == theirs64.shape == (1, hk, n)
-        assert not np.array_equal(mine64, mine)  # the float64 prefill ran in float64
-        np.testing.assert_allclose(mine64[..., sinks:], theirs64[..., sinks:], rtol=RTOL_FLOAT64, atol=ATOL,
+    for i, mine in enumerate(state.scores("expected_attention")):
+        theirs, mine = peer[f"expected_attention_layer{i}"], mine.double().numpy()
+        assert mine.shape == theirs.shape == (1, hk, n)
+        np.testing.assert_allclose(mine[..., sinks:], theirs[..., sinks:], rtol=RTOL, atol=ATOL,
                                    err_msg=f"{model_name} layer {i}")
-        for scores, peer_scores in ((mine, theirs), (mine64, theirs64)):
-            assert (peer_scores[..., :sinks] > peer_scores[..., sinks:].max(-1, keepdims=True)).all()
-            assert (scores[..., :sinks] == scores[..., sinks:].max(-1, keepdims=True)).all()
+        assert (theirs[..., :sinks] > theirs[..., sinks:].max(-1, keepdims=True)).all()
+        assert (mine[..., :sinks] == mine[..., sinks:].max(-1, keepdims=True)).all()
 
 
 def test_criticalkv_equals_kvpress_but_for_its_budgeted_first_stage(scorer_prefill):
@@ -366,7 +362,7 @@ def test_criticalkv_equals_kvpress_but_for_its_budgeted_first_stage(scorer_prefi
         theirs_factor = theirs / (peer[f"snapkv_w{WINDOW}_k5_layer{i}"] + epsilon)
         np.testing.assert_allclose(ours_factor, theirs_factor, rtol=RTOL, atol=0, err_msg=f"{model_name} layer {i}")
         two_stage = peer[f"criticalkv_two_stage_layer{i}"]
-        largest = two_stage == np.finfo(np.float32).max
+        largest = two_stage == np.finfo(np.float64).max  # the float64 run's largest float
         assert (largest.sum(-1) == first_stage).all()
         top = np.argsort(-peer[f"snapkv_w{WINDOW}_k5_layer{i}"], axis=-1, kind="stable")[..., :first_stage]
         expected = np.zeros_like(largest)
@@ -425,9 +421,35 @@ def test_lagkv_equals_kvpress(compared):
             if any(dead) and name != "lagkv_lag600":
                 # the dead channels have no range in any partition: kvcert leaves them out, as removing them does
                 theirs = peer[f"{name}_live_layer{i}"]
+            policy = get_policy("lagkv", **options)
+            if not policy.cross_scoring and n >= policy.n_sink + 2 * policy.lag_size:  # ranked partitions
+                mine = _near_ties_as_kvpress_ranked_them(policy, view, mine, theirs, message)
             np.testing.assert_allclose(mine, theirs, rtol=RTOL, atol=ATOL, err_msg=message)
             assert len(np.unique(mine)) > 10  # partitions were ranked (or the recency ramp applied)
     assert bool(dead_layers) == (model_name == "gemma3"), dead_layers  # the difference above is exercised
+
+
+def _near_ties_as_kvpress_ranked_them(policy, view, mine: np.ndarray, theirs: np.ndarray, message: str) -> np.ndarray:
+    """kvcert's LagKV ranks ``mine`` (batch, kv_heads, n) with each key whose rank differs from kvpress's
+    ``theirs`` given kvpress's rank, after checking that its spread share (kvcert's, float32) lies within RTOL of
+    the share of the key kvpress ranked where kvcert ranked it: the two orders differ by near-ties only."""
+    lag, sink = policy.lag_size, policy.n_sink
+    partitions = (mine.shape[-1] - sink) // lag
+    end = sink + (partitions - 1) * lag
+    share = (policy._spread_share(view.keys.float(), partitions)
+             + policy._spread_share(view.values.float(), partitions)) / 2  # (b, h, partitions - 1, lag)
+    share = share.double().numpy().reshape(*mine.shape[:2], -1)  # keys sink .. end - 1
+    ranked, kvpress_ranked = mine[..., sink:end], theirs[..., sink:end]
+    for b, h, j in zip(*np.nonzero(ranked != kvpress_ranked)):
+        block = slice(j - j % lag, j - j % lag + lag)  # the key's partition
+        k = block.start + int(np.flatnonzero(kvpress_ranked[b, h, block] == ranked[b, h, j])[0])
+        gap = abs(share[b, h, j] - share[b, h, k])
+        assert gap <= RTOL * max(share[b, h, j], share[b, h, k]), (
+            f"{message}: key {sink + j} ranks {ranked[b, h, j]} (kvcert), {kvpress_ranked[b, h, j]} (kvpress), "
+            f"spread shares {share[b, h, j]:.9g} and {share[b, h, k]:.9g} apart by {gap:.3g}")
+    adjusted = mine.copy()
+    adjusted[..., sink:end] = kvpress_ranked  # where they differ, by the near-ties checked above
+    return adjusted
 
 
 CUR_CASES = {"cur": {}, "cur_global_kvavg": {"local_window_size": None, "leverage": "kv_avg"}}
@@ -456,47 +478,35 @@ def test_cur_equals_kvpress_after_its_sinks(compared):
 # ------------------------------------------------------------------------------------------------ Cap, LeverageScore
 # (kvpress_scores.py's block of that name.)
 # * Cap (CAPKV, arXiv:2604.25975): kvcert's ``cap`` gives kvpress's CapPress scores for every key after the n_sink
-#   (4) sinks: to RTOL_FLOAT64 with both models in float64 (kvpress_scores.py's exponential_scores_in_float64,
-#   CapPress's cast of its linear system to float32 kept at float64 by KeptInFloat64), which checks the
-#   definition (measured on prompt seeds 0 and 3: 6e-8 on SmolLM2; up to 5e-6 on Gemma 3's layer 1, where both
-#   runs still share the model's float32 rotary tables and kvcert casts its scores to float32, against 2.9e-4
-#   between the float32 runs); and in float32 to RTOL_EXPONENTIAL on SmolLM2 (the weights exponentiate τ·cosines
-#   built from the queries' mean, which kvpress sums in float32 from its own projection of the hidden states) and
-#   to RTOL_CAP_GEMMA3 on Gemma 3, whose first layers' values reach norms of 100: kvpress solves I + Σ w v vᵀ in
-#   float32, kvcert in float64 (4e-4 measured in layer 1). kvpress puts its sinks above every key of the layer
-#   (max + 1); kvcert gives them the head's highest score.
+#   (4) sinks, CapPress's cast of its linear system to float32 kept at float64 (kvpress_scores.py's InFloat64):
+#   measured on prompt seeds 0 and 3, 6e-8 on SmolLM2 and up to 5e-6 on Gemma 3's layer 1, where both runs share
+#   the model's float32 rotary tables and kvcert casts its scores to float32. kvpress puts its sinks above every
+#   key of the layer (max + 1); kvcert gives them the head's highest score.
 # * LeverageScore (Compactor's leverage, Chari & Van Durme, 2025): kvpress z-scores the leverages over the layer
 #   ((ℓ − mean) / std, every head together), kvcert keeps ℓ ∈ [0, 1) (non-negative for the Poisson design; the
 #   z-score is an increasing affine map shared by the layer's heads, so the order is the same). Checked as
 #   kvpress = z-score(kvcert) with the same sketch (kvcert's generator seeded s draws what kvpress drew after
-#   torch.manual_seed(s)), to LEVERAGE_SHARE (1e-5) of each layer's z-score range, against kvpress's own code run
-#   in float64 (kvpress_scores.py's KeptInFloat64: its cast to float32 kept at float64, the same seeded sketch).
-#   kvpress's float32 run itself is not the reference: it solves the ridge system in float32, and the sketched Gram
-#   matrices of these keys have condition numbers of 1e4 to 2e7 (SmolLM2; measured), so its float32 leverages lie
-#   up to 0.6% of the range from its float64 ones on the tests' prompt and 1.3% on held-out prompt seed 7 (SmolLM2
-#   layer 0), while kvcert, which solves in float64, lies within 5e-7 of them (both measured). The test checks
-#   that the float64 run moved kvpress's scores and that kvcert is nearer them. The order is checked too: kvcert
-#   and kvpress in float64 keep the same keys at half the layer's budget but for LEVERAGE_SWAPS of them.
+#   torch.manual_seed(s)), to LEVERAGE_SHARE (1e-5) of each layer's z-score range, against kvpress's own code with
+#   its cast to float32 kept at float64 (kvpress_scores.py's KeptInFloat64, the same seeded sketch). kvpress's
+#   float32 solve itself is not the reference: the sketched Gram matrices of these keys have condition numbers of
+#   1e4 to 2e7 (SmolLM2; measured), so its float32 leverages lie up to 0.6% of the range from the float64 ones on
+#   the tests' prompt and 1.3% on held-out prompt seed 7 (SmolLM2 layer 0), while kvcert, which solves in float64,
+#   lies within 5e-7 of them (both measured, with float32 models). The test checks that the float64 solve moved
+#   kvpress's scores and that kvcert is nearer them. The order is checked too: kvcert and kvpress in float64 keep
+#   the same keys at half the layer's budget but for LEVERAGE_SWAPS of them.
 LEVERAGE_SHARE, LEVERAGE_SWAPS = 1e-5, 0.01
-RTOL_CAP_GEMMA3 = 1e-3
 
 
-def test_cap_equals_kvpress_after_its_sinks(scorer_prefill, scorer_prefill_float64):
+def test_cap_equals_kvpress_after_its_sinks(scorer_prefill):
     model_name, model, ids, peer, state = scorer_prefill
     n, hk, sinks = ids.shape[-1], model.config.num_key_value_heads, 4
-    for i, (mine, mine64) in enumerate(zip(state.scores("cap"), scorer_prefill_float64.scores("cap"))):
+    for i, mine in enumerate(state.scores("cap")):
         theirs, mine = peer[f"cap_layer{i}"], mine.double().numpy()
-        theirs64, mine64 = peer[f"cap_float64_layer{i}"], mine64.double().numpy()
-        assert mine.shape == theirs.shape == mine64.shape == theirs64.shape == (1, hk, n)
-        assert not np.array_equal(mine64, mine)  # the float64 prefill ran in float64
-        np.testing.assert_allclose(mine64[..., sinks:], theirs64[..., sinks:], rtol=RTOL_FLOAT64, atol=ATOL,
+        assert mine.shape == theirs.shape == (1, hk, n)
+        np.testing.assert_allclose(mine[..., sinks:], theirs[..., sinks:], rtol=RTOL, atol=ATOL,
                                    err_msg=f"{model_name} layer {i}")
-        rtol = RTOL_CAP_GEMMA3 if model_name == "gemma3" else RTOL_EXPONENTIAL
-        np.testing.assert_allclose(mine[..., sinks:], theirs[..., sinks:], rtol=rtol, atol=ATOL,
-                                   err_msg=f"{model_name} layer {i}")
-        for scores, peer_scores in ((mine, theirs), (mine64, theirs64)):
-            np.testing.assert_allclose(peer_scores[..., :sinks], peer_scores[..., sinks:].max() + 1, rtol=1e-6)
-            assert (scores[..., :sinks] == scores[..., sinks:].max(-1, keepdims=True)).all()
+        np.testing.assert_allclose(theirs[..., :sinks], theirs[..., sinks:].max() + 1, rtol=1e-6)
+        assert (mine[..., :sinks] == mine[..., sinks:].max(-1, keepdims=True)).all()
         assert np.ptp(mine[..., sinks:]) > 0
 
 
@@ -517,4 +527,4 @@ def test_leverage_is_kvpress_before_its_z_score(scorer_prefill):
         rounding.append((np.abs(theirs - exact).max() / np.ptp(exact), np.abs(z - exact).max() / np.ptp(exact)))
         assert (theirs < 0).any()  # kvpress's z-scores are negative where kvcert's leverages are not
     kvpress_float32, kvcert = np.max(rounding, axis=0)
-    assert kvcert < kvpress_float32  # the float64 run did change kvpress's arithmetic, and kvcert is nearer it
+    assert kvcert < kvpress_float32  # the float64 solve did change kvpress's arithmetic, and kvcert is nearer it

@@ -2,13 +2,21 @@
 
     python kvpress_scores.py MODEL_DIR IDS.npy OUT.npz --settings 16:5 8:9
 
-MODEL_DIR: a transformers checkpoint; IDS.npy: (1, n) int64 token ids. A forward hook on every attention
-module calls the presses' ``score`` with what kvpress's own hook hands them (the layer's input hidden
-states, the cache's keys and values, the attention call's keyword arguments), after the layer has run over
-the whole prompt: ``SnapKVPress(window_size, kernel_size)`` for each window:kernel setting, ``TOVAPress`` and
-``KnormPress``. OUT.npz holds one float64 array of shape (batch, kv_heads, n) per press and layer, named
-``snapkv_w{window}_k{kernel}_layer{i}``, ``tova_layer{i}`` and ``knorm_layer{i}``. Imports nothing from
-kvcert: this environment holds kvpress and the transformers version it pins.
+MODEL_DIR: a transformers checkpoint, loaded in float64 (its weights promoted exactly); IDS.npy: (1, n) int64
+token ids. A forward hook on every attention module calls the presses' ``score`` with what kvpress's own hook
+hands them (the layer's input hidden states, the cache's keys and values, the attention call's keyword
+arguments), after the layer has run over the whole prompt: ``SnapKVPress(window_size, kernel_size)`` for each
+window:kernel setting, ``TOVAPress``, ``KnormPress`` and the presses of the blocks below. OUT.npz holds one
+float64 array of shape (batch, kv_heads, n) per press and layer, named ``snapkv_w{window}_k{kernel}_layer{i}``,
+``tova_layer{i}``, ``knorm_layer{i}`` and so on. Imports nothing from kvcert: this environment holds kvpress and
+the transformers version it pins.
+
+Why float64: a float32 forward pass in this transformers version and in kvcert's is no reference for a score's
+definition. On one CI machine the two float32 runs of the same checkpoint and ids gave keys whose norms differ by
+up to 1.0e-4 (relative) already in SmolLM2's first layer and SnapKV scores by up to 2.7e-4, while the float64
+runs of ExpectedAttention agreed to the tests' 1e-5 there. In float64 what is left is the presses' own float32
+arithmetic (a softmax taken in float32, a linear system cast to float32), which the blocks below keep at float64
+where it matters.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-from kvpress import CURPress, KeyDiffPress, KnormPress, LagKVPress, SnapKVPress, TOVAPress
+from kvpress import CapPress, CURPress, KeyDiffPress, KnormPress, LagKVPress, SnapKVPress, TOVAPress
 from kvpress.utils import extract_keys_and_values, get_prerope_key_states
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
@@ -32,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", nargs="+", default=["16:5"], help="window:kernel pairs")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float64, attn_implementation="sdpa")
     model.eval()
     ids = torch.from_numpy(np.load(args.ids))
     presses = {f"snapkv_w{w}_k{k}": SnapKVPress(window_size=int(w), kernel_size=int(k))
@@ -40,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     presses.update(tova=TOVAPress(), knorm=KnormPress())
     presses.update(expected_and_critical_presses(model))
     presses.update(presses_keydiff_lagkv_cur())
+    presses.update(cap=InFloat64(CapPress()))  # needs the rotary embedding expected_and_critical_presses attaches
     arrays = {}
 
     def hook(module, inputs, kwargs, output):
@@ -49,35 +58,13 @@ def main(argv: list[str] | None = None) -> int:
             arrays[f"{name}_layer{module.layer_idx}"] = scores.double().numpy()
         arrays.update(seeded_cur_scores(module, keys, values, kwargs))
         arrays.update(lagkv_live_channel_scores(module, keys, values, kwargs))
-        arrays.update(cap_and_leverage_scores(module, keys, values, kwargs))
+        arrays.update(leverage_scores(module, keys, kwargs))
         return output
 
     run_hooked(model, ids, [hook], extra=allocator_hooks(model, arrays))
     arrays.update(observed_attention_scores(args.model_dir, ids))
-    arrays.update(exponential_scores_in_float64(args.model_dir, ids))
     np.savez(args.out, **arrays)
     return 0
-
-
-def exponential_scores_in_float64(model_dir: str, ids: torch.Tensor) -> dict[str, np.ndarray]:
-    """ExpectedAttentionPress's and CapPress's scores per layer with the model loaded in float64 (its float32
-    weights, exactly promoted), {"expected_attention_float64_layer{i}", "cap_float64_layer{i}": (batch, kv_heads,
-    n) float64}: the references that tell kvpress's definitions of these exponential scores from its float32
-    rounding (tests/test_peers.py's ExpectedAttention and Cap blocks). CapPress casts its linear system to float32;
-    here that cast keeps float64. (ObservedAttention has no such reference: transformers' eager attention, which
-    it reads, takes its softmax in float32 in any precision, and so does kvcert's accumulated attention.)"""
-    from kvpress import CapPress
-
-    arrays = reloaded_press_scores(model_dir, ids, "expected_attention_float64",
-                                   lambda model: expected_and_critical_presses(model)["expected_attention"],
-                                   dtype=torch.float64)
-
-    def cap_in_float64(model):
-        expected_and_critical_presses(model)  # CapPress needs the rotary embedding that attaches
-        return InFloat64(CapPress())
-
-    arrays.update(reloaded_press_scores(model_dir, ids, "cap_float64", cap_in_float64, dtype=torch.float64))
-    return arrays
 
 
 class InFloat64:
@@ -191,28 +178,18 @@ def expected_and_critical_presses(model) -> dict:
 
 
 def observed_attention_scores(model_dir: str, ids: torch.Tensor) -> dict[str, np.ndarray]:
-    """ObservedAttentionPress's scores per layer, from the attention weights of an eager run (what its hook
-    needs), {"observed_attention_layer{i}": (batch, kv_heads, n) float64}."""
+    """ObservedAttentionPress's scores per layer, from the attention weights of an eager run of the model loaded
+    again in float64 (what its hook needs), {"observed_attention_layer{i}": (batch, kv_heads, n) float64}."""
     from kvpress import ObservedAttentionPress
 
-    return reloaded_press_scores(model_dir, ids, "observed_attention", lambda model: ObservedAttentionPress(),
-                                 attn_implementation="eager", with_attentions=True)
-
-
-def reloaded_press_scores(model_dir: str, ids: torch.Tensor, name: str, press_for, *, dtype=torch.float32,
-                          attn_implementation: str = "sdpa", with_attentions: bool = False) -> dict[str, np.ndarray]:
-    """One press's scores per layer from the model loaded again from ``model_dir`` in ``dtype`` with
-    ``attn_implementation``, {"{name}_layer{i}": (batch, kv_heads, n) float64}; ``press_for(model)`` builds the
-    press; ``with_attentions``: the press gets the layer's attention weights (an eager run's)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager")
     model.eval()
-    press, arrays = press_for(model), {}
+    press, arrays = ObservedAttentionPress(), {}
 
     def hook(module, inputs, kwargs, output):
         keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
-        attentions = output[1] if with_attentions else None
-        scores = press.score(module, kwargs["hidden_states"], keys, values, attentions, kwargs)
-        arrays[f"{name}_layer{module.layer_idx}"] = scores.double().numpy()
+        scores = press.score(module, kwargs["hidden_states"], keys, values, output[1], kwargs)
+        arrays[f"observed_attention_layer{module.layer_idx}"] = scores.double().numpy()
         return output
 
     run_hooked(model, ids, [hook])
@@ -257,9 +234,11 @@ def presses_keydiff_lagkv_cur() -> dict:
 
 
 def seeded_cur_scores(module, keys, values, kwargs) -> dict[str, np.ndarray]:
-    """CURPress(use_random_leverage=True)'s scores of one layer, its projection drawn from a seeded global RNG."""
+    """CURPress(use_random_leverage=True)'s scores of one layer, its projection drawn from a seeded global RNG (in
+    float32, as kvcert draws it: SameDraws)."""
     torch.manual_seed(CUR_SKETCH_SEED + module.layer_idx)
-    scores = CURPress(use_random_leverage=True).score(module, kwargs["hidden_states"], keys, values, None, kwargs)
+    with SameDraws():
+        scores = CURPress(use_random_leverage=True).score(module, kwargs["hidden_states"], keys, values, None, kwargs)
     return {f"cur_sketch20_layer{module.layer_idx}": scores.double().numpy(),
             "cur_sketch_seed": np.asarray(CUR_SKETCH_SEED)}
 
@@ -291,45 +270,53 @@ def lagkv_live_channel_scores(module, keys, values, kwargs) -> dict[str, np.ndar
 
 # ----------------------------------------------------------------------------------------------------------------
 # Cap and LeverageScore (tests/test_peers.py's block of that name). Arrays, each (batch, kv_heads, n): ``cap_layer{i}``
-# (CapPress() with its defaults; needs the rotary embedding expected_and_critical_presses attaches);
-# ``leverage_layer{i}`` (LeverageScorePress() with its defaults, its sketch drawn right after
-# ``torch.manual_seed(LEVERAGE_SEED + i)``); ``leverage_seed`` holds LEVERAGE_SEED.
+# (CapPress() with its defaults, its linear system kept at float64 by InFloat64; needs the rotary embedding
+# expected_and_critical_presses attaches); ``leverage_layer{i}`` (LeverageScorePress() with its defaults, its sketch
+# drawn right after ``torch.manual_seed(LEVERAGE_SEED + i)``, its ridge system solved in float32 as kvpress casts
+# it) and ``leverage_float64_layer{i}`` (the same with that cast kept at float64); ``leverage_seed`` holds
+# LEVERAGE_SEED.
 LEVERAGE_SEED = 4321
 
 
-def cap_and_leverage_scores(module, keys, values, kwargs) -> dict[str, np.ndarray]:
-    """CapPress's and (seeded) LeverageScorePress's scores of one layer."""
-    from kvpress import CapPress, LeverageScorePress
+def leverage_scores(module, keys, kwargs) -> dict[str, np.ndarray]:
+    """(Seeded) LeverageScorePress's scores of one layer, as kvpress computes them and in float64."""
+    from kvpress import LeverageScorePress
 
     hidden, i = kwargs["hidden_states"], module.layer_idx
-    with one_thread():
-        out = {f"cap_layer{i}": CapPress().score(module, hidden, keys, values, None, kwargs).double().numpy()}
     torch.manual_seed(LEVERAGE_SEED + i)
-    leverage = LeverageScorePress().score(module, hidden, keys, values, None, kwargs)
-    out[f"leverage_layer{i}"] = leverage.double().numpy()
-    torch.manual_seed(LEVERAGE_SEED + i)  # LeverageScorePress.score's body, its pre-RoPE keys promoted to float64
-    prerope, press = get_prerope_key_states(module, hidden).double(), LeverageScorePress()
+    with SameDraws():
+        leverage = LeverageScorePress().score(module, hidden, keys, None, None, kwargs)
+    out = {f"leverage_layer{i}": leverage.double().numpy(), "leverage_seed": np.asarray(LEVERAGE_SEED)}
+    torch.manual_seed(LEVERAGE_SEED + i)  # LeverageScorePress.score's body, its cast to float32 kept at float64
+    prerope, press = get_prerope_key_states(module, hidden), LeverageScorePress()
     with KeptInFloat64():
         leverage = press.compute_leverage_scores(prerope, press.sketch_dimension)
     out[f"leverage_float64_layer{i}"] = ((leverage - leverage.mean()) / leverage.std().clamp_min(1e-6)).numpy()
-    out["leverage_seed"] = np.asarray(LEVERAGE_SEED)
     return out
 
 
-class KeptInFloat64(TorchFunctionMode):
-    """kvpress's code with its arithmetic in float64 on float64 inputs: a cast to float32 keeps a float64 tensor as
-    it is, and a float64 ``torch.randn`` draws what the float32 one would (the same seeded normals, promoted), so
-    that compute_leverage_scores' sketch is the float32 run's. Lets a test compare kvcert with kvpress's definition
-    apart from kvpress's float32 rounding, without a copy of kvpress's code."""
+class SameDraws(TorchFunctionMode):
+    """A float64 ``torch.randn`` draws what the float32 one would (the same seeded normals, promoted), so that a
+    sketch drawn in this float64 run is the one kvcert draws (in float32) from a generator with the same seed."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.randn and kwargs.get("dtype") == torch.float64:
             return func(*args, **{**kwargs, "dtype": torch.float32}).double()
+        return func(*args, **kwargs)
+
+
+class KeptInFloat64(SameDraws):
+    """kvpress's code with its arithmetic in float64 on float64 inputs: SameDraws, and a cast to float32 keeps a
+    float64 tensor as it is. Lets a test compare kvcert with kvpress's definition apart from kvpress's float32
+    rounding, without a copy of kvpress's code."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func is torch.Tensor.to and args[0].dtype == torch.float64:
             if torch.float32 in (*args[1:], kwargs.get("dtype")):  # a cast to float32: kept at float64
                 return args[0]
-        return func(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 if __name__ == "__main__":
