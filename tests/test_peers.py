@@ -413,7 +413,8 @@ def test_lagkv_equals_kvpress(compared):
         dead = [bool(((x == 0).all(dim=-2)).any()) for x in (view.keys, view.values)]  # an all-zero channel
         dead_layers += [i] if any(dead) else []
         for name, options in LAGKV_CASES.items():
-            mine, theirs = get_policy("lagkv", **options).score(view).double().numpy(), peer[f"{name}_layer{i}"]
+            policy = get_policy("lagkv", **options)
+            mine, theirs = policy.score(view).double().numpy(), peer[f"{name}_layer{i}"]
             assert mine.shape == theirs.shape
             message = f"{model_name} layer {i}, {name}"
             if any(dead) and name == "lagkv_lag32_cross":
@@ -421,7 +422,6 @@ def test_lagkv_equals_kvpress(compared):
             if any(dead) and name != "lagkv_lag600":
                 # the dead channels have no range in any partition: kvcert leaves them out, as removing them does
                 theirs = peer[f"{name}_live_layer{i}"]
-            policy = get_policy("lagkv", **options)
             if not policy.cross_scoring and n >= policy.n_sink + 2 * policy.lag_size:  # ranked partitions
                 mine = _near_ties_as_kvpress_ranked_them(policy, view, mine, theirs, message)
             np.testing.assert_allclose(mine, theirs, rtol=RTOL, atol=ATOL, err_msg=message)
