@@ -436,10 +436,12 @@ def _near_ties_as_kvpress_ranked_them(policy, view, mine: np.ndarray, theirs: np
     lag, sink = policy.lag_size, policy.n_sink
     partitions = (mine.shape[-1] - sink) // lag
     end = sink + (partitions - 1) * lag
+    ranked, kvpress_ranked = mine[..., sink:end], theirs[..., sink:end]
+    if (ranked == kvpress_ranked).all():
+        return mine
     share = (policy._spread_share(view.keys.float(), partitions)
              + policy._spread_share(view.values.float(), partitions)) / 2  # (b, h, partitions - 1, lag)
     share = share.double().numpy().reshape(*mine.shape[:2], -1)  # keys sink .. end - 1
-    ranked, kvpress_ranked = mine[..., sink:end], theirs[..., sink:end]
     for b, h, j in zip(*np.nonzero(ranked != kvpress_ranked)):
         block = slice(j - j % lag, j - j % lag + lag)  # the key's partition
         k = block.start + int(np.flatnonzero(kvpress_ranked[b, h, block] == ranked[b, h, j])[0])

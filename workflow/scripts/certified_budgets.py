@@ -335,12 +335,14 @@ def certificate_items(items: pd.DataFrame, steps: pd.DataFrame, epsilons: list[f
                       .merge(outcome, on=["model", "configuration", *KEYS], how="inner", validate="one_to_one"))
             wrong = ~shares["correct"].astype(bool)
             both = wrong.nunique() == 2
+            # the mean shares of the right (False) and wrong (True) items; NaN where there are none
+            mean = shares.groupby(wrong)[["flag", "above"]].mean().reindex([False, True])
             rows.append({"model": model, "configuration": configuration, "epsilon": float(eps),
                          "n_items": int(len(shares)), "n_wrong": int(wrong.sum()),
-                         "flagged_right": float(shares.loc[~wrong, "flag"].mean()) if (~wrong).any() else np.nan,
-                         "flagged_wrong": float(shares.loc[wrong, "flag"].mean()) if wrong.any() else np.nan,
-                         "above_right": float(shares.loc[~wrong, "above"].mean()) if (~wrong).any() else np.nan,
-                         "above_wrong": float(shares.loc[wrong, "above"].mean()) if wrong.any() else np.nan,
+                         "flagged_right": float(mean.loc[False, "flag"]),
+                         "flagged_wrong": float(mean.loc[True, "flag"]),
+                         "above_right": float(mean.loc[False, "above"]),
+                         "above_wrong": float(mean.loc[True, "above"]),
                          "auc_flagged": float(roc_auc_score(wrong, shares["flag"])) if both else np.nan,
                          "auc_above": float(roc_auc_score(wrong, shares["above"])) if both else np.nan})
     return pd.DataFrame(rows, columns=ITEM_COLUMNS)
