@@ -4,7 +4,9 @@ computed by hand below. Every number here is test data, never a result."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import re
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +77,10 @@ def cells(tmp_path):
 def test_tables_match_a_hand_computation(script, cells, tmp_path):
     out = tmp_path / "out"
     script.main(cells, [0.1, 0.05], 0.05, out, tmp_path / "fig.png", tmp_path / "fig.pdf")
+    # exactly the tables rule certified_budgets declares as outputs (exploratory.smk's CERTIFIED_TABLES)
+    rule = (ROOT / "workflow" / "rules" / "exploratory.smk").read_text()
+    declared = ast.literal_eval(re.search(r"^CERTIFIED_TABLES = (\(.*?\))$", rule, re.M | re.S).group(1))
+    assert sorted(p.stem for p in out.iterdir()) == sorted(declared)
     summary = pd.read_csv(out / "summary.csv").set_index("configuration")
     assert list(summary.index) == ["full", "target 0.1", "clt 0.1", "fixed topk 0.25"]  # the full cache once per model
     assert summary.loc["clt 0.1", ["accuracy", "kept_fraction", "coverage_stored_0.1"]].tolist() == \

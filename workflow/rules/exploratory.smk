@@ -81,13 +81,7 @@ rule certified_budgets:
         item_tables=lambda wc: [f"{d}/items.parquet" for d in cell_dirs(wc.name)],
         step_tables=lambda wc: [f"{d}/steps.parquet" for d in cell_dirs(wc.name)],
     output:
-        summary=f"{OUT}/{{name}}/summary.csv",
-        coverage=f"{OUT}/{{name}}/coverage_by_layer.csv",
-        by_step=f"{OUT}/{{name}}/coverage_by_step.csv",
-        targets=f"{OUT}/{{name}}/targets.csv",
-        flags=f"{OUT}/{{name}}/certificate_flags.csv",
-        flag_items=f"{OUT}/{{name}}/certificate_items.csv",
-        flag_heads=f"{OUT}/{{name}}/certificate_heads.csv",
+        **{table: f"{OUT}/{{name}}/{table}.csv" for table in CERTIFIED_TABLES},
         png=report(f"{FIG}/{{name}}/{{name}}.png", category="Exploratory"),
         pdf=f"{FIG}/{{name}}/{{name}}.pdf",
     log:

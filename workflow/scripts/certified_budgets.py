@@ -521,18 +521,14 @@ def main(cells: dict, epsilons: list[float], delta: float, out_dir: Path, png: P
     items, steps, choices = load(cells)
     steps = _with_bounds(steps)
     summary = summary_table(items, steps, epsilons)
-    write_text_atomic(summary.round(6).to_csv(index=False), Path(out_dir) / "summary.csv")
-    write_text_atomic(coverage_by_layer(steps, epsilons, delta).round(6).to_csv(index=False),
-                      Path(out_dir) / "coverage_by_layer.csv")
     by_step = coverage_by_step(steps, epsilons, delta)
-    write_text_atomic(by_step.round(6).to_csv(index=False), Path(out_dir) / "coverage_by_step.csv")
-    write_text_atomic(target_table(choices, steps).round(6).to_csv(index=False), Path(out_dir) / "targets.csv")
     flags = certificate_flags(choices, steps, epsilons, delta)
-    write_text_atomic(flags.round(6).to_csv(index=False), Path(out_dir) / "certificate_flags.csv")
-    write_text_atomic(certificate_items(items, steps, epsilons).round(6).to_csv(index=False),
-                      Path(out_dir) / "certificate_items.csv")
-    write_text_atomic(certificate_heads(choices, steps, epsilons).round(6).to_csv(index=False),
-                      Path(out_dir) / "certificate_heads.csv")
+    tables = {"summary": summary, "coverage_by_layer": coverage_by_layer(steps, epsilons, delta),
+              "coverage_by_step": by_step, "targets": target_table(choices, steps), "certificate_flags": flags,
+              "certificate_items": certificate_items(items, steps, epsilons),
+              "certificate_heads": certificate_heads(choices, steps, epsilons)}
+    for name, table in tables.items():  # the rule's outputs: exploratory.smk's CERTIFIED_TABLES, in this order
+        write_text_atomic(table.round(6).to_csv(index=False), Path(out_dir) / f"{name}.csv")
     figure(summary, by_step, epsilons, delta, png, pdf, flags)
 
 
