@@ -90,7 +90,13 @@ device-check-standin:
 ## The default test suite, including the smoke DAG end to end and the held-out calibration check (README's
 ## test command).
 test: install model peers
-	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm and not long" --durations=25
+	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm and not long and not cluster" --durations=25
+
+## The offline cluster's path, bounded (CI runs it after make test): staging a scale, an install and a stand-in cell
+## with the network cut, the measured pilot on the CPU through the GPU's code path.
+.PHONY: test-cluster
+test-cluster: install model
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m cluster --durations=10
 
 ## The calibrated certificate's held-out check alone (kvcert-calibrate on 20 prompts, kvcert-run on 20 others;
 ## 3 CPU-minutes, measured 8.5 minutes on 2 cores shared with other work; also part of `make test`).
