@@ -27,7 +27,7 @@ from ..run_schema import ELIDED_AT_DEFAULT, IDENTITY_KEYS, RUN, elide_defaults
 from ..errors import ConfigError
 from ..generation import FULL, Prefill, decode_configurations, eos_ids, prefill
 from ..kernels import attention_path
-from ..models import ModelSpec, load_model
+from ..models import ModelSpec, load_model, model_fingerprint
 from ..policies import prefill_needs
 from ..prompts import PromptIds, build_prompt, model_limit
 from ..provenance import code_fingerprint, sha256_file, short
@@ -163,6 +163,8 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
     spec = ModelSpec.parse(cell.model)
     model, tokenizer = load_model(spec)
     timings["load_model"] = time.perf_counter() - start
+    if spec.kind == "hf":  # its model record is checked now: a mismatch is refused before any item runs
+        model_fingerprint(spec)
     if cell.calibration is not None:  # a file of another model or design is refused before anything is written
         prepare_calibration(cell.calibration, model=model, setting=cell.setting,
                             configurations=[(c.policy, c.design, c.budget) for c in cell.configurations() if not c.is_full],
