@@ -35,6 +35,7 @@ from ..table_columns import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS, KEY
 from ..targets import CHOICE_COLUMNS
 from .config import CellConfig, Configuration, plain_config, validate
 from .manifest import build_manifest
+from .shard_lock import shard_lock
 from .tables import ITEM_COLUMNS, empty_step_table, logprob_summary, summarize_steps, tag_steps
 
 PARTS = ".parts"
@@ -156,6 +157,13 @@ def run_cell(cfg, out_dir: str | Path) -> Path:
     cell = validate(cfg)
     out_dir = Path(out_dir)
     check_out_dir(out_dir)
+    # One writer per shard for the whole run (a second one ends here, naming the holder, before loading anything).
+    with shard_lock(out_dir):
+        return _run_cell(cell, out_dir, wall)
+
+
+def _run_cell(cell: CellConfig, out_dir: Path, wall: float) -> Path:
+    """``run_cell`` once the shard's writer lock is held."""
     if cell.threads:
         torch.set_num_threads(cell.threads)
     timings: dict[str, float] = defaultdict(float)
