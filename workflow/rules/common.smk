@@ -7,6 +7,7 @@
 # is one study (top-level `cells:` or `matrix:`, version `prereg:`). The tables pool every study. A derived
 # scale (`base:` + `substitute:`) is its base with some values swapped (kvcert.scales).
 import difflib
+import os
 import shlex
 import subprocess
 import sys
@@ -79,9 +80,17 @@ ARCHIVED = [name for name, st in STUDIES.items() if st["archived"]]
 # Cells are run once per study that owns them (not for a study that reads another's).
 CELL_STUDIES = sorted({study for study, _ in CELLS})
 SHARDS = [(study, cell, shard) for (study, cell), shard in shard_list(CELLS)]
-# LongBench cells without a data.path read one local copy, fetched once by rule fetch_longbench.
-LONGBENCH_COPY = f"{OUT}/data/longbench"
+# LongBench cells without a data.path read one local copy, fetched once by rule fetch_longbench, or, where the
+# environment names one (KVCERT_LONGBENCH_COPY, set by the env file kvcert-stage writes), that staged copy,
+# which no rule makes.
+LONGBENCH_STAGED = os.environ.get("KVCERT_LONGBENCH_COPY") or None
+LONGBENCH_COPY = LONGBENCH_STAGED or f"{OUT}/data/longbench"
 LONGBENCH_SUBSETS = longbench_subsets(S, CELLS)
+if LONGBENCH_STAGED:
+    _absent = [s for s in LONGBENCH_SUBSETS if not (Path(LONGBENCH_STAGED) / f"{s}.jsonl").is_file()]
+    if _absent:
+        fail(f"KVCERT_LONGBENCH_COPY={LONGBENCH_STAGED}: no {_absent[0]}.jsonl there (scale {SCALE_NAME} reads "
+             f"{', '.join(LONGBENCH_SUBSETS)}); stage them with kvcert-stage or unset it")
 
 
 def cell_dirs(study):
@@ -127,8 +136,8 @@ def resource(rule_name, key, default):
 
 
 def cell_data_inputs(cell):
-    """The LongBench copy a cell reads (rule fetch_longbench), or nothing."""
-    return [LONGBENCH_COPY] if needs_longbench_copy(S, cell) else []
+    """The LongBench copy a cell reads (rule fetch_longbench), or nothing (none, or a staged one)."""
+    return [LONGBENCH_COPY] if needs_longbench_copy(S, cell) and not LONGBENCH_STAGED else []
 
 
 def cell_run_overrides(cell):
