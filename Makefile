@@ -263,6 +263,18 @@ SCALE ?= paper
 plan: install
 	$(BIN)/kvcert-plan scale=$(SCALE)
 
+## Where the network is, everything a scale needs for an offline cluster, onto shared storage (kvcert-stage): its hub
+## models as a Hugging Face hub cache with a record per model, its LongBench subsets, the wheels of the lock
+## STAGE_WHEELS (cuda, cpu or none) and STAGE_DIR/kvcert-stage.env to source there. Prints the disk needed first;
+## rerunning resumes. make stage SCALE=paper STAGE_DIR=/shared/kvcert-stage
+STAGE_DIR ?=
+STAGE_WHEELS ?= cuda
+STAGE_ARGS ?=
+.PHONY: stage
+stage: install
+	@test -n "$(STAGE_DIR)" || { echo "make stage: set STAGE_DIR=<a folder on storage the cluster's nodes see>" >&2; exit 2; }
+	$(BIN)/python -m kvcert.stage scale=$(SCALE) --out $(STAGE_DIR) --wheels $(STAGE_WHEELS) $(STAGE_ARGS)
+
 slurm-up:
 	bash workflow/slurm/cluster-up.sh
 slurm-down:
