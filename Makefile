@@ -263,6 +263,22 @@ SCALE ?= paper
 plan: install
 	$(BIN)/kvcert-plan scale=$(SCALE)
 
+## The measured plan: a few items of every cell kind of a scale on this node's device (srun --gpus=1 on a
+## cluster), then runtime, memory and device-hours per cell from the measurement, in <outdir>/pilot/ (pilot.csv,
+## plan.json that rule cell reads, plan.md): make pilot-gpu SCALE=paper [PILOT_ITEMS=2] [PILOT_ARGS=--gpu-memory-gb 24]
+PILOT_ITEMS ?= 2
+PILOT_ARGS ?=
+.PHONY: pilot-gpu
+pilot-gpu: install
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m kvcert.device_pilot scale=$(SCALE) --items $(PILOT_ITEMS) $(PILOT_ARGS)
+## The same on this machine's CPU over the paper scale's stand-ins (scale rehearse; builds them as make
+## rehearse-paper does when they are missing).
+.PHONY: pilot-rehearse
+pilot-rehearse: install model
+	@test -f results/rehearse/standins/models/qwen3/config.json || \
+	  $(BIN)/python -m kvcert.standins --out results/rehearse/standins --head-dim 8 --stop-fraction 0.2 --longbench-tokens 2400 >/dev/null
+	$(MAKE) pilot-gpu SCALE=rehearse
+
 ## Where the network is, everything a scale needs for an offline cluster, onto shared storage (kvcert-stage): its hub
 ## models as a Hugging Face hub cache with a record per model, its LongBench subsets, the wheels of the lock
 ## STAGE_WHEELS (cuda, cpu or none) and STAGE_DIR/kvcert-stage.env to source there. Prints the disk needed first;
