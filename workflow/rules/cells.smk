@@ -4,6 +4,31 @@
 # on the host that runs snakemake, which on a cluster is the one with the network.
 
 GPUS_PER_CELL = int(S.get("gpus_per_cell", 0))
+# A measured plan (kvcert-pilot scale=<scale> writes <outdir>/pilot/plan.json), when there is one, sets each
+# cell's runtime, host memory and, where it names one, SLURM constraint (the GPU memory classes that hold the
+# cell) from what the cell measured on the cluster's own GPU; without one the scale's resources apply.
+PILOT_PLAN = Path(OUT) / "pilot" / "plan.json"
+PILOTED = {}
+if PILOT_PLAN.is_file():
+    from kvcert.device_pilot import PilotError, read_plan
+
+    try:
+        PILOTED = read_plan(PILOT_PLAN, SCALE_NAME, [f"{study}/{cell}" for study, cell in CELLS])
+    except PilotError as _err:
+        fail(str(_err))
+    print(f"kvcert workflow: cells' runtime and memory from {PILOT_PLAN} (kvcert-pilot)", file=sys.stderr)
+
+
+def cell_resource(key, default):
+    """The scale's resource of rule cell, or each cell's own from the measured plan when there is one."""
+    if not PILOTED:
+        return resource("cell", key, default)
+    return lambda wc: PILOTED[f"{wc.study}/{wc.cell}"][key]
+
+
+# The constraint only where the plan gives every cell one (kvcert-pilot --gpu-features).
+PILOT_CONSTRAINT = ({"constraint": cell_resource("constraint", None)}
+                    if PILOTED and all("constraint" in c for c in PILOTED.values()) else {})
 
 
 rule cell:
@@ -25,8 +50,9 @@ rule cell:
         out_dir=lambda wc: f"{OUT}/{wc.study}/cells/{wc.cell}/shard-{wc.shard}",
     threads: S.get("threads_per_cell", 1)
     resources:
-        mem_mb=resource("cell", "mem_mb", 6000),
-        runtime=resource("cell", "runtime", 120),
+        mem_mb=cell_resource("mem_mb", 6000),
+        runtime=cell_resource("runtime", 120),
+        **PILOT_CONSTRAINT,
         # `gpus` is what a one-machine run counts (snakemake --cores C --resources gpus=N: at most N GPU
         # cells at once); `gpu` is what the SLURM executor requests (--gpus); profiles may override it.
         gpus=GPUS_PER_CELL,
