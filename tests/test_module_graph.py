@@ -31,9 +31,11 @@ LAYERS = {
     "kvcert.attention": 5,
     "kvcert.generation": 6,
     "kvcert.theory": 7, "kvcert.costs": 7, "kvcert.standins": 7,
+    "kvcert.presses": 7,  # kvcert around stock model.generate: hooks a prefill and decodes on its context
     "kvcert.runner": 8, "kvcert.analysis": 8, "kvcert.device_check": 8,
     "kvcert.plan": 9,  # plans a scale's cells as the runner would compose them
     "kvcert.stage": 9,  # stages a scale's models, data and wheels for an offline cluster
+    "kvcert.device_pilot": 10,  # runs a scale's cells on the node and plans it beside kvcert.plan's cost model
     "kvcert": 10,  # the package's lazy public namespace
 }
 
