@@ -252,3 +252,62 @@ def test_certificate_items_score_wrong_answers_by_their_share_of_flagged_rows(sc
     # every item right: no AUC
     same = script.certificate_items(items.assign(correct=True), s, [0.1]).iloc[0]
     assert same["n_wrong"] == 0 and np.isnan(same["auc_flagged"]) and np.isnan(same["flagged_wrong"])
+
+
+# --- the floor each committed cell ran with ---------------------------------------------------------------------
+
+CERTIFIED_SCALES = sorted(p.stem for p in (ROOT / "workflow" / "scales").glob("certified-budgets*.yaml"))
+
+
+@pytest.mark.parametrize("name", CERTIFIED_SCALES)
+def test_every_target_cell_of_a_certified_scale_resolves_to_the_floor_it_ran_with(name):
+    """The floor at half the cap is the default since the held-out checks; the certified scales' targets ran
+    without one (target_floor=null) or with 0.25 (the floored_<eps> cells). Each target cell's run config, composed
+    from the scale as the cell rule composes it, has that floor, and where the cell is committed its config.yaml is
+    written byte for byte as committed and reads back to the same target."""
+    import yaml
+
+    from kvcert.run_schema import HALF_CAP
+    from kvcert.runner.cell import config_yaml
+    from kvcert.runner.config import validate
+    from kvcert.scales import cell_config, exploratory, load_scale, parse_overrides
+
+    scale = load_scale(name, ROOT / "workflow" / "scales")
+    compared, bare_checked = 0, False
+    for study, spec in exploratory(scale).items():
+        for cell, c in spec["cells"].items():
+            overrides = parse_overrides(c["overrides"])
+            if overrides.get("target_error") is None:
+                continue
+            assert "target_floor" in overrides, f"{name}: {cell} names no target_floor"
+            want = 0.25 if spec["variant"][cell].startswith("floored") else None
+            out_dir = ROOT / scale["outdir"] / study / "cells" / cell / "shard-0"
+            cfg = cell_config(scale, c, ["shard=0", f"n_shards={c['shards']}",
+                                         f"threads={scale.get('threads_per_cell', 1)}",
+                                         f"out_dir={out_dir.relative_to(ROOT).as_posix()}"])
+            target = validate(cfg).target
+            assert target.floor == want and target.floor != HALF_CAP, f"{name}: {cell}"
+            committed = out_dir / "config.yaml"
+            if committed.is_file():
+                assert config_yaml(cfg) == committed.read_text(), committed
+                assert validate(yaml.safe_load(committed.read_text())).target == target, committed
+                compared += 1
+            if want is None and not bare_checked:  # without its override an unfloored cell would have the default
+                bare = cell_config(scale, {**c, "overrides": [o for o in c["overrides"]
+                                                              if not o.startswith("target_floor=")]})
+                assert validate(bare).target.floor == HALF_CAP
+                bare_checked = True
+    committed_cells = [path for study in exploratory(scale)
+                       for path in (ROOT / scale["outdir"] / study / "cells").glob("*/shard-*/config.yaml")]
+    assert compared == sum("target_error:" in path.read_text() for path in committed_cells)  # every one compared
+
+
+def test_a_target_cell_at_the_default_floor_is_named_by_the_floor_of_its_cap(script, cells, tmp_path):
+    # A future target cell that names no floor runs with half its cap (the rule's target_floor: half_cap): its
+    # rows are named by that floor, apart from an unfloored target's.
+    defaulted = {**cells["m-target_0.1"], "target_floor": "half_cap"}
+    script.main({**cells, "m-target_0.1": defaulted}, [0.1], 0.05, tmp_path / "out", tmp_path / "fig.png",
+                tmp_path / "fig.pdf")
+    summary = pd.read_csv(tmp_path / "out" / "summary.csv").set_index("configuration")
+    assert "target 0.1 floor 0.25 cap 0.5" in summary.index and "target 0.1" not in summary.index
+    assert "clt 0.1" in summary.index  # the same cell's clt rows keep their name

@@ -18,6 +18,7 @@ from kvcert.designs import DesignOptions
 from kvcert.estimator import hajek_attention
 from kvcert.policies.base import LayerView
 from kvcert.sampling import inclusion_probabilities, minimum_count, poisson_sample, retained_count
+from kvcert.run_schema import HALF_CAP
 from kvcert.targets import (CalibratedScale, Target, TargetNotMetWarning, check_target, choose_expected_counts,
                             row_inclusion_probabilities, target_design, window_terms)
 
@@ -91,7 +92,7 @@ def test_per_row_counts_give_the_designs_probabilities(counts, top_slice):
 @pytest.mark.parametrize("error, sliding", [(0.3, None), (0.1, None), (0.05, 64)])
 def test_the_choice_is_the_brute_force_smallest_size(error, sliding):
     view, scores = _layer(sliding=sliding)
-    choice = choose_expected_counts(view, scores, Target(error, delta=0.05), 0.9, OPTIONS)
+    choice = choose_expected_counts(view, scores, Target(error, delta=0.05, floor=None), 0.9, OPTIONS)
     for h in range(2):
         expected = _brute_force_count(view, scores, h, error, 0.05, 0.9)
         assert expected is not None and minimum_count(240, 4, 16) < expected < choice.cap_count
@@ -106,7 +107,7 @@ def test_a_floor_raises_the_choice_to_it_and_changes_nothing_above_it(floor):
     """With a floor the choice is the smallest size >= retained_count(floor) whose prediction meets ε: by the
     brute-force scan, the larger of the floor's count and the unfloored choice (the prediction is monotone)."""
     view, scores = _layer(seed=3)
-    free = choose_expected_counts(view, scores, Target(0.1, delta=0.05), 0.9, OPTIONS)
+    free = choose_expected_counts(view, scores, Target(0.1, delta=0.05, floor=None), 0.9, OPTIONS)
     floored = choose_expected_counts(view, scores, Target(0.1, delta=0.05, floor=floor), 0.9, OPTIONS)
     floor_count = retained_count(floor, 240, 4, 16)
     for h in range(2):
@@ -122,25 +123,41 @@ def test_a_floor_raises_the_choice_to_it_and_changes_nothing_above_it(floor):
         choose_expected_counts(view, scores, Target(0.1, floor=0.95), 0.9, OPTIONS)
 
 
+def test_the_default_floor_is_half_the_cap():
+    """Target's default floor is HALF_CAP: under the cap b it is the floor b/2, the same choice as an explicit
+    target_floor of b/2, raising every head to that count; floor=None is the unfloored search."""
+    assert Target(0.1).floor == HALF_CAP and Target(0.1).floor_at(0.5) == 0.25 and Target(0.1).floor_at(0.9) == 0.45
+    assert Target(0.1, floor=None).floor_at(0.5) is None and Target(0.1, floor=0.3).floor_at(0.9) == 0.3
+    view, scores = _layer(seed=3)
+    default = choose_expected_counts(view, scores, Target(1.0, delta=0.05), 0.9, OPTIONS)
+    explicit = choose_expected_counts(view, scores, Target(1.0, delta=0.05, floor=0.45), 0.9, OPTIONS)
+    free = choose_expected_counts(view, scores, Target(1.0, delta=0.05, floor=None), 0.9, OPTIONS)
+    assert torch.equal(default.expected_count, explicit.expected_count) and torch.equal(default.pi, explicit.pi)
+    floor_count = retained_count(0.45, 240, 4, 16)
+    assert torch.equal(default.expected_count, torch.maximum(free.expected_count, torch.tensor(floor_count)))
+    assert bool((free.expected_count < floor_count).any())  # the floor binds here, so the default changes the choice
+
+
 def test_the_calibrated_certificate_is_what_the_target_checks():
     """factor 2 on the paper certificate: meeting ε calibrated is meeting ε/2 uncalibrated."""
     view, scores = _layer(seed=1)
-    doubled = choose_expected_counts(view, scores, Target(0.2), 0.9, OPTIONS, calibration=CalibratedScale(2.0))
-    halved = choose_expected_counts(view, scores, Target(0.1), 0.9, OPTIONS)
+    doubled = choose_expected_counts(view, scores, Target(0.2, floor=None), 0.9, OPTIONS,
+                                     calibration=CalibratedScale(2.0))
+    halved = choose_expected_counts(view, scores, Target(0.1, floor=None), 0.9, OPTIONS)
     assert torch.equal(doubled.expected_count, halved.expected_count)
     with_norm = CalibratedScale(1.5, cert_weight=1.0, norm_weight=0.01)
-    chosen = choose_expected_counts(view, scores, Target(0.2), 0.9, OPTIONS, calibration=with_norm)
+    chosen = choose_expected_counts(view, scores, Target(0.2, floor=None), 0.9, OPTIONS, calibration=with_norm)
     assert int(chosen.expected_count[0, 0]) == _brute_force_count(view, scores, 0, 0.2, 0.05, 0.9, with_norm)
 
 
 def test_the_cap_binds_and_says_so_and_an_easy_target_keeps_the_minimum():
     view, scores = _layer(seed=2)
-    tight = choose_expected_counts(view, scores, Target(1e-4), 0.25, OPTIONS)
+    tight = choose_expected_counts(view, scores, Target(1e-4, floor=None), 0.25, OPTIONS)
     assert torch.equal(tight.expected_count, torch.full((1, 2), retained_count(0.25, 240, 4, 16)))
     assert not bool(tight.met.any())
     # at the sinks + recent window count the tail has π = 0: tokens the window attends to would be dropped with
     # no certificate (an unbounded prediction), so the smallest size that meets any target samples one more
-    loose = choose_expected_counts(view, scores, Target(1e6), 0.5, OPTIONS)
+    loose = choose_expected_counts(view, scores, Target(1e6, floor=None), 0.5, OPTIONS)
     assert torch.equal(loose.expected_count, torch.full((1, 2), 21)) and bool(loose.met.all())
 
 
@@ -149,7 +166,7 @@ def test_the_prediction_is_the_expected_realized_trace_on_the_observed_queries()
     window's queries: per head and window query, the mean realized tr V̂ sits within 25% of the predicted one
     (the prediction is its first-order expectation)."""
     view, scores = _layer(n=400, seed=4)
-    target = Target(0.1)
+    target = Target(0.1, floor=None)
     selection_pi = choose_expected_counts(view, scores, target, 0.9, OPTIONS).pi
     g = torch.Generator().manual_seed(0)
     group, w = view.group_size, view.window_queries.shape[2]
@@ -187,11 +204,21 @@ def test_the_prediction_is_the_expected_realized_trace_on_the_observed_queries()
     (("poisson", 0.1, None, 1.5), r"target_floor=1.5: must lie in \(0, 1\]"),
     (("poisson", None, None, 0.25), "target_floor=0.25 is set but target_error is null: a floor is part of a target"),
     (("clt", 0.1, None, 0.25), "target_floor=0.25 applies to design 'poisson'.*design 'clt' keeps the whole cache"),
+    (("poisson", 0.1, None, "half"), r"^target_floor='half': must lie in \(0, 1\] \(a fraction of the prefix\), or be "
+                                     r"half_cap \(half the cap, the default\) or null \(no floor\)$"),
+    (("poisson", 0.1, None, True), r"^target_floor=True: must lie in \(0, 1\]"),
 ])
 def test_a_bad_target_gets_one_line(args, message):
     with pytest.raises(ValueError, match=message) as err:
         check_target(*args)
     assert "\n" not in str(err.value)
+
+
+def test_the_default_floor_needs_no_target_and_leaves_clt_alone():
+    # the default floor is no explicit floor: no refusal without a target, none for clt (which keeps every slot)
+    assert check_target("poisson", None, None) is None and check_target("topk", None, None, HALF_CAP) is None
+    assert check_target("clt", 0.1, None).floor == HALF_CAP
+    assert check_target("poisson", 0.1, None, None).floor is None
 
 
 def test_the_design_draws_at_the_chosen_probabilities():
@@ -244,13 +271,14 @@ def test_generate_with_a_target_keeps_the_chosen_sizes_and_logs_them(monkeypatch
     # random weights attend almost uniformly: relative certificates are large, so the targets are too
     with warnings.catch_warnings():
         warnings.simplefilter("error", TargetNotMetWarning)  # every head meets these: no warning
-        loose = kvcert.generate(model, tokenizer, **args, budget=1.0, target_error=1.0)
-        tight = kvcert.generate(model, tokenizer, **args, budget=1.0, target_error=0.2, target_delta=0.05)
+        loose = kvcert.generate(model, tokenizer, **args, budget=1.0, target_error=1.0, target_floor=None)
+        tight = kvcert.generate(model, tokenizer, **args, budget=1.0, target_error=0.2, target_delta=0.05,
+                                target_floor=None)
     n_layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     n_pairs = n_layers * kv_heads
     with pytest.warns(TargetNotMetWarning, match=rf"target_error=0.2: {n_pairs} of {n_pairs} \(layer, KV head\) "
                                                  r"pairs .* at the cap budget=0.25 and keep the cap"):
-        capped = kvcert.generate(model, tokenizer, **args, budget=0.25, target_error=0.2)
+        capped = kvcert.generate(model, tokenizer, **args, budget=0.25, target_error=0.2, target_floor=None)
     for result, error in ((loose, 1.0), (tight, 0.2), (capped, 0.2)):
         choice = result.target_choice
         assert len(choice) == n_layers * kv_heads and list(choice["layer"].unique()) == list(range(n_layers))
@@ -273,6 +301,16 @@ def test_generate_with_a_target_keeps_the_chosen_sizes_and_logs_them(monkeypatch
     assert (floored.target_choice["expected_count"] == np.maximum(loose.target_choice["expected_count"],
                                                                   floor_count)).all()
     assert floored.retained_tokens > loose.retained_tokens
+    # the default floor: half the budget, the same choice and draw as target_floor=budget/2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TargetNotMetWarning)
+        default = kvcert.generate(model, tokenizer, **args, budget=1.0, target_error=1.0)
+        half = kvcert.generate(model, tokenizer, **args, budget=1.0, target_error=1.0, target_floor=0.5)
+    assert default.target_choice.equals(half.target_choice) and default.retained_tokens == half.retained_tokens
+    half_count = retained_count(0.5, int(default.target_choice["context_tokens"].iloc[0]))
+    assert (default.target_choice["expected_count"] == np.maximum(loose.target_choice["expected_count"],
+                                                                  half_count)).all()
+    assert default.retained_tokens > loose.retained_tokens
 
     monkeypatch.setattr(kvcert.generation, "prefill", lambda *a, **k: pytest.fail("computed before refusing"))
     with pytest.raises(ValueError, match="needs design 'poisson'"):
@@ -348,6 +386,34 @@ def test_a_cell_without_a_target_keeps_its_identity_and_its_config_yaml():
     targeted = compose(["out_dir=x", "target_error=0.1", "designs=[poisson]"])
     assert _identity(targeted, [], "f")["config"]["target_error"] == 0.1
     assert "target_error: 0.1\n" in config_yaml(targeted)
+
+
+def test_a_target_cell_has_the_floor_at_half_the_cap_unless_it_names_another():
+    """kvcert-run's default floor is half_cap, written into config.yaml and the identity; target_floor=null is left
+    out of both (as a cell written before the floor existed), and a config.yaml without the key reads back as
+    null, what such a cell ran with."""
+    import yaml
+
+    from kvcert.hydra_app import compose
+    from kvcert.runner.cell import _identity, config_yaml
+    from kvcert.runner.config import validate
+
+    base = ["out_dir=x", "target_error=0.1", "designs=[poisson]", "budgets=[0.25,0.5]"]
+    default = compose(base)
+    cell = validate(default)
+    assert cell.target_floor == HALF_CAP
+    assert [cell.target.floor_at(b) for b in cell.budgets] == [0.125, 0.25]
+    assert "target_floor: half_cap\n" in config_yaml(default)
+    assert _identity(default, [], "f")["config"]["target_floor"] == HALF_CAP
+    unfloored = compose([*base, "target_floor=null"])
+    written = config_yaml(unfloored)
+    assert "target_floor" not in written and "target_floor" not in _identity(unfloored, [], "f")["config"]
+    assert written == config_yaml(default).replace("target_floor: half_cap\n", "")
+    read_back = validate(yaml.safe_load(written))
+    assert read_back.target_floor is None and read_back.target.floor is None
+    # the floor at half the cap of 0.5 is an explicit 0.25 there (the floored cells of the certified scales)
+    assert validate(compose([*base[:3], "budgets=[0.5]", "target_floor=0.25"])).target.floor_at(0.5) == \
+        validate(compose([*base[:3], "budgets=[0.5]"])).target.floor_at(0.5)
 
 
 def test_kvcert_run_with_a_target_writes_the_choice_per_item_layer_and_head(tmp_path):

@@ -570,7 +570,7 @@ def generate(
     allocator_options: dict | None = None,
     target_error: float | None = None,
     target_delta: float | None = None,
-    target_floor: float | None = None,
+    target_floor: float | str | None = RUN.target_floor,
 ) -> GenerationResult:
     """Generate an answer to ``question`` about ``context`` on a compressed cache, with certificates.
 
@@ -590,12 +590,14 @@ def generate(
     level δ (default ``delta``) for design ``poisson``, the budget being its cap (``kvcert.targets``): per layer
     and KV head the smallest expected sample whose certificate (the calibrated one, given a calibration file),
     predicted on the observation window's queries, is within ε; the choice is ``target_choice``. Pairs that
-    miss ε even at the cap keep the cap, and a ``TargetNotMetWarning`` says how many; target_floor: a fraction
-    of the prefix every KV head keeps at least (at most ``budget``), the target choosing only what it adds.
+    miss ε even at the cap keep the cap, and a ``TargetNotMetWarning`` says how many; target_floor: what every KV
+    head keeps at least, the target choosing only what it adds: ``"half_cap"`` (the default, half of ``budget``), a
+    fraction of the prefix (at most ``budget``), or None (no floor).
     """
     target = None if policy == FULL else check_target(design, target_error, target_delta, target_floor)
-    if target is not None and target.floor is not None and target.floor > budget:
-        raise ValueError(f"target_floor={target.floor:g} exceeds the cap budget={budget:g}: the floor must not exceed "
+    floor = None if target is None else target.floor_at(budget)
+    if floor is not None and floor > budget:
+        raise ValueError(f"target_floor={floor:g} exceeds the cap budget={budget:g}: the floor must not exceed "
                          "the cap")
     prompt = build_prompt(tokenizer, context, question, answer_prefix, setting=setting,
                           max_new_tokens=max_new_tokens, limit=model_limit(model, max_context_tokens),

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 MISSING = "???"  # OmegaConf's marker of a value the command line must give
+# target_floor's default: every KV head keeps at least FLOOR_SHARE_OF_CAP of the cap (the budget), a uniform sample,
+# the target choosing only what it adds (kvcert.targets).
+HALF_CAP = "half_cap"
+FLOOR_SHARE_OF_CAP = 0.5
 
 
 def knob(default: Any, help: str, **check: Any) -> Any:  # noqa: A002 - the word the --help text is about
@@ -26,7 +30,11 @@ def knob(default: Any, help: str, **check: Any) -> Any:  # noqa: A002 - the word
     identity: False for a knob that does not change what a cell computes;
     design_knob: the calibration factors depend on it (a calibration file records it);
     elided_at_default: a key added after committed cells: absent from a cell's config.yaml and identity while
-    it holds its default (``elide_defaults``), so a cell that does not use it is written as before.
+    it holds its default (``elide_defaults``), so a cell that does not use it is written as before;
+    absent_means: for such a key whose default changed after cells were committed without it, the value a config
+    without the key ran with: the key is elided at that value instead of the default, and a config.yaml read back
+    without it takes that value (kvcert.runner.config.validate);
+    needs: for such a key, another key without which it does nothing: elided at its default while that one is null.
     """
     metadata = {"help": help, **check}
     if isinstance(default, (list, dict)):
@@ -105,9 +113,13 @@ class RunConfig:
                                          "on the observation window, meets it; budgets are caps. null: fixed budgets",
                                          elided_at_default=True)
     target_delta: Optional[float] = knob(None, "the target's delta in (0, 1); null: delta", elided_at_default=True)
-    target_floor: Optional[float] = knob(None, "a fraction of the prefix in (0, 1] every KV head keeps at least, the "
-                                         "target choosing only what it adds (design poisson; at most every budget); "
-                                         "null: no floor", elided_at_default=True)
+    # Any, not Optional[float]: it also takes the word half_cap. Its default was null (no floor) until the
+    # certified-budgets study's held-out checks (docs/studies/certified-budgets.md): a config.yaml without the key
+    # ran without a floor.
+    target_floor: Any = knob(HALF_CAP, "what every KV head keeps at least, the target choosing only what it adds "
+                             "(design poisson): half_cap (half of each budget, the target's cap), a fraction of the "
+                             "prefix in (0, 1] (at most every budget), or null: no floor", elided_at_default=True,
+                             absent_means=None, needs="target_error")
     # Any, not Optional[dict]: OmegaConf cannot merge a mapping from the command line into a typed null.
     policy_options: Any = knob(None, "per policy, its dataclass options, e.g. {snapkv: {kernel_size: 7, pooling: max}}",
                                design_knob=True)
@@ -161,11 +173,21 @@ DESIGN_KNOBS = (*(f.name for f in dataclasses.fields(DesignOptions) if f.metadat
 
 # Keys a cell's config.yaml and identity leave out while they hold their default (see ``knob``).
 ELIDED_AT_DEFAULT = tuple(f.name for f in dataclasses.fields(RunConfig) if f.metadata.get("elided_at_default"))
+# What a config without one of those keys ran with: its default, or its ``absent_means`` where the default changed.
+ABSENT_MEANS = {f.name: f.metadata.get("absent_means", getattr(RUN, f.name)) for f in dataclasses.fields(RunConfig)
+                if f.name in ELIDED_AT_DEFAULT}
+_NEEDS = {f.name: f.metadata["needs"] for f in dataclasses.fields(RunConfig) if f.metadata.get("needs")}
 
 
 def elide_defaults(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` (a resolved run config, plain) without the ELIDED_AT_DEFAULT keys that hold their default."""
-    return {k: v for k, v in config.items() if not (k in ELIDED_AT_DEFAULT and v == getattr(RUN, k))}
+    """``config`` (a resolved run config, plain) without the ELIDED_AT_DEFAULT keys that hold what their absence
+    means (ABSENT_MEANS), nor those at their default whose ``needs`` key is null (target_floor without a target)."""
+    def elided(k, v):
+        if k not in ELIDED_AT_DEFAULT:
+            return False
+        return v == ABSENT_MEANS[k] or (k in _NEEDS and config.get(_NEEDS[k]) is None and v == getattr(RUN, k))
+
+    return {k: v for k, v in config.items() if not elided(k, v)}
 
 
 # kvcert.estimator and kvcert.calibration.apply import these two names; the values are the schema's.
@@ -203,6 +225,7 @@ def _yaml(value: Any) -> str:
 
 
 __all__ = [
-    "CALIBRATE_KEYS", "DELTA", "DESIGN", "DESIGN_KNOBS", "ELIDED_AT_DEFAULT", "IDENTITY_KEYS", "KEYS", "MISSING", "OBSERVATION_WINDOW", "RUN",
+    "ABSENT_MEANS", "CALIBRATE_KEYS", "DELTA", "DESIGN", "DESIGN_KNOBS", "ELIDED_AT_DEFAULT", "FLOOR_SHARE_OF_CAP",
+    "HALF_CAP", "IDENTITY_KEYS", "KEYS", "MISSING", "OBSERVATION_WINDOW", "RUN",
     "CalibrateConfig", "DesignOptions", "GridKnobs", "RunConfig", "elide_defaults", "knob", "yaml_lines",
 ]

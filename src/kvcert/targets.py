@@ -34,7 +34,7 @@ import torch
 
 from .calibration import DESIGN as DESIGN_CORRECTION
 from .calibration import ROUNDING, Calibration
-from .run_schema import DELTA
+from .run_schema import DELTA, FLOOR_SHARE_OF_CAP, HALF_CAP
 from .designs import CLT_NEEDS_TARGET, TARGET_DESIGNS, DesignOptions, Selection, _pack
 from .estimator import compute_dtype
 from .policies.base import LayerView
@@ -46,14 +46,15 @@ WINDOW_RULE_DEFAULT = 1.0  # the maximum over the window's queries
 @dataclass(frozen=True)
 class Target:
     """A target relative error ``error`` (ε, on ‖ô − o‖/‖o‖) at level ``delta`` (the certificate's δ), the
-    rule aggregating the window's queries (``window_quantile`` in (0, 1], 1 = the maximum) and an optional
-    ``floor``: a fraction of the prefix in (0, 1] that every KV head keeps at least, the target choosing only what
-    it adds (None: the sinks + recent window are the only floor)."""
+    rule aggregating the window's queries (``window_quantile`` in (0, 1], 1 = the maximum) and a ``floor`` that
+    every KV head keeps at least, the target choosing only what it adds: ``HALF_CAP`` (the default: half of the
+    budget the target is capped at, ``floor_at``), a fraction of the prefix in (0, 1], or None (no floor: the sinks
+    + recent window are the only one, as every target before the default changed)."""
 
     error: float
     delta: float = DELTA
     window_quantile: float = WINDOW_RULE_DEFAULT
-    floor: float | None = None
+    floor: float | str | None = HALF_CAP
 
     def __post_init__(self):
         if not (isinstance(self.error, (int, float)) and math.isfinite(self.error) and self.error > 0):
@@ -62,8 +63,14 @@ class Target:
             raise ValueError(f"target_delta={self.delta!r}: must lie in (0, 1)")
         if not 0.0 < self.window_quantile <= 1.0:
             raise ValueError(f"window_quantile={self.window_quantile!r}: must lie in (0, 1]")
-        if self.floor is not None and not (isinstance(self.floor, (int, float)) and 0.0 < self.floor <= 1.0):
-            raise ValueError(f"target_floor={self.floor!r}: must lie in (0, 1] (a fraction of the prefix)")
+        if self.floor is not None and self.floor != HALF_CAP and not (
+                isinstance(self.floor, (int, float)) and not isinstance(self.floor, bool) and 0.0 < self.floor <= 1.0):
+            raise ValueError(f"target_floor={self.floor!r}: must lie in (0, 1] (a fraction of the prefix), or be "
+                             f"{HALF_CAP} (half the cap, the default) or null (no floor)")
+
+    def floor_at(self, budget: float) -> float | None:
+        """The floor as a fraction of the prefix under the cap ``budget`` (None: no floor)."""
+        return FLOOR_SHARE_OF_CAP * budget if self.floor == HALF_CAP else self.floor
 
 
 @dataclass(frozen=True)
@@ -315,19 +322,20 @@ def choose_expected_counts(view: LayerView, scores: torch.Tensor, target: Target
     layer's window_terms when already computed (check=False: rows of several layers stacked, view only typed).
     Bisection over integer counts in [sinks + recent window, retained_count(budget, n)] (the prediction is
     non-increasing in the count: see the module's docstring), the lower end raised to retained_count(floor, n)
-    when the target has a floor.
+    when the target has a floor (``Target.floor_at(budget)``; half the cap by default).
     """
     n = scores.shape[-1]
     if check and (scores.shape[:2] != view.keys.shape[:2] or n != view.n):
         raise ValueError(f"scores {tuple(scores.shape)} do not match the layer's keys {tuple(view.keys.shape)}")
-    if target.floor is not None and target.floor > budget:
-        raise ValueError(f"target_floor={target.floor:g} exceeds the cap budget={budget:g}: the floor must not exceed "
+    floor = target.floor_at(budget)
+    if floor is not None and floor > budget:
+        raise ValueError(f"target_floor={floor:g} exceeds the cap budget={budget:g}: the floor must not exceed "
                          "the cap")
     terms = terms if terms is not None else window_terms(view)
     cap = retained_count(budget, n, options.n_sink, options.n_recent)
     low = minimum_count(n, options.n_sink, options.n_recent)
-    if target.floor is not None:  # every head keeps the uniform floor; the target decides only what is added
-        low = max(low, retained_count(target.floor, n, options.n_sink, options.n_recent))
+    if floor is not None:  # every head keeps the uniform floor; the target decides only what is added
+        low = max(low, retained_count(floor, n, options.n_sink, options.n_recent))
     shape = scores.shape[:-1]
 
     flat = scores.reshape(-1, n).to(torch.float64)
@@ -460,12 +468,15 @@ class _RowScales:
         return torch.maximum(calibrated, self.floor)
 
 
-def check_target(design: str, target_error, target_delta, target_floor=None) -> Target | None:
-    """The Target of ``generate``'s / a cell's keys, or None without one; one clear line for a bad one."""
+def check_target(design: str, target_error, target_delta, target_floor=HALF_CAP) -> Target | None:
+    """The Target of ``generate``'s / a cell's keys, or None without one; one clear line for a bad one.
+    target_floor: HALF_CAP (the default, which a design without a chosen sample and a call without a target
+    ignore), None (no floor) or a fraction of the prefix in (0, 1]."""
+    explicit_floor = target_floor is not None and target_floor != HALF_CAP
     if target_error is None:
         if target_delta is not None:
             raise ValueError(f"target_delta={target_delta!r} is set but target_error is null: give both or neither")
-        if target_floor is not None:
+        if explicit_floor:
             raise ValueError(f"target_floor={target_floor!r} is set but target_error is null: a floor is part of a "
                              "target")
         if design == "clt":
@@ -474,13 +485,13 @@ def check_target(design: str, target_error, target_delta, target_floor=None) -> 
     if design not in TARGET_DESIGNS:
         raise ValueError(f"target_error={target_error!r} needs design 'poisson' (a Poisson sample of the chosen size) "
                          f"or 'clt' (the decode-time sampler); got design {design!r}")
-    if target_floor is not None and design != "poisson":
+    if explicit_floor and design != "poisson":
         raise ValueError(f"target_floor={target_floor!r} applies to design 'poisson' (the sample chosen at prefill); "
                          f"design {design!r} keeps the whole cache")
     return Target(error=float(target_error) if isinstance(target_error, (int, float)) else target_error,
                   delta=DELTA if target_delta is None else target_delta, floor=target_floor)
 
 
-__all__ = ["CHOICE_COLUMNS", "CalibratedScale", "Target", "TargetChoice", "WindowTerms", "calibrated_scales",
+__all__ = ["CHOICE_COLUMNS", "FLOOR_SHARE_OF_CAP", "HALF_CAP", "CalibratedScale", "Target", "TargetChoice", "WindowTerms", "calibrated_scales",
            "check_target", "choose_expected_counts", "exact_water_fill", "predicted_relative_certificate",
            "row_inclusion_probabilities", "target_design", "targeted_selections", "window_terms"]

@@ -64,6 +64,7 @@ import pandas as pd  # noqa: E402
 
 from kvcert.analysis.figures import save_figure  # noqa: E402
 from kvcert.atomic import write_text_atomic  # noqa: E402
+from kvcert.run_schema import FLOOR_SHARE_OF_CAP, HALF_CAP  # noqa: E402
 
 KEYS = ["item_id", "policy", "design", "budget", "seed", "setting"]
 SUMMARY_COLUMNS = ["model", "configuration", "variant", "allocator", "design", "budget", "target_error", "n_items",
@@ -122,17 +123,24 @@ def _read(dirs: list[str], name: str) -> pd.DataFrame:
 def load(cells: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(items, steps, choices) of every cell, each row tagged with model, variant, target_error, configuration.
 
-    cells: {cell: {"model", "variant", "target_error" (float or None), "target_floor" (float or None, optional),
-    "dirs": [shard dirs]}}. The full cache is kept once per model (every cell decodes it on the same items): from
-    the first cell listed.
+    cells: {cell: {"model", "variant", "target_error" (float or None), "target_floor" (float, "half_cap": half of
+    each row's budget, or None, optional), "dirs": [shard dirs]}}. The full cache is kept once per model (every cell
+    decodes it on the same items): from the first cell listed.
     """
     items, steps, choices, full_seen = [], [], [], set()
+
+    def read(spec, name, tags):
+        frame = _read(spec["dirs"], name).assign(**tags)
+        if spec.get("target_floor") == HALF_CAP:  # the default floor, per configuration: half its cap
+            frame["target_floor"] = FLOOR_SHARE_OF_CAP * frame["budget"].astype(float)
+        return frame
+
     for cell, spec in cells.items():
         target, floor = spec.get("target_error"), spec.get("target_floor")
         tags = {"model": spec["model"], "variant": spec["variant"],
                 "target_error": np.nan if target is None else float(target),
-                "target_floor": np.nan if floor is None else float(floor)}
-        cell_items = _read(spec["dirs"], "items.parquet").assign(**tags)
+                "target_floor": np.nan if floor in (None, HALF_CAP) else float(floor)}
+        cell_items = read(spec, "items.parquet", tags)
         if spec["model"] in full_seen:
             cell_items = cell_items[cell_items["policy"] != "full"].copy()
         full_seen.add(spec["model"])
@@ -143,9 +151,9 @@ def load(cells: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
             cell_items["allocator"] = "uniform"
         cell_items["allocator"] = cell_items["allocator"].fillna("uniform")
         items.append(cell_items)
-        steps.append(_read(spec["dirs"], "steps.parquet").assign(**tags))
+        steps.append(read(spec, "steps.parquet", tags))
         if target is not None:
-            choices.append(_read(spec["dirs"], "targets.parquet").assign(**tags))
+            choices.append(read(spec, "targets.parquet", tags))
     out = [pd.concat(f, ignore_index=True) if f else pd.DataFrame() for f in (items, steps, choices)]
     for frame in out:
         if len(frame):

@@ -321,7 +321,8 @@ def _check_target(cell: CellConfig) -> None:
     """A target (kvcert.targets) needs designs poisson or clt in every grid and, if calibrated, a fitted file of base
     paper; design clt needs a target."""
     designs = sorted({d for grid in cell.grids for d in grid.designs})
-    if cell.target_error is None and cell.target_delta is None and cell.target_floor is None:
+    floor_set = cell.target_floor not in (None, schema.HALF_CAP)  # the default floor does nothing without a target
+    if cell.target_error is None and cell.target_delta is None and not floor_set:
         if "clt" in designs:
             raise ConfigError("designs=[..., clt]: design clt samples at decode time against a target: set "
                               "target_error (and target_delta)")
@@ -337,14 +338,16 @@ def _check_target(cell: CellConfig) -> None:
                               check_only=True)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    below = sorted({b for grid in cell.grids for b in grid.budgets if cell.target_floor is not None
-                    and b < cell.target_floor})
+    below = sorted({b for grid in cell.grids for b in grid.budgets if floor_set and b < cell.target_floor})
     if below:
         raise ConfigError(f"target_floor={cell.target_floor:g} exceeds budgets={below}: the budget is the target's "
                           "cap, and the floor must not exceed it")
 
 
 def _default(f: dataclasses.Field) -> dict[str, Any]:
-    """``{name: default}``: a key a config lacks (written before the key existed) has its default."""
+    """``{name: default}``: a key a config lacks (written before the key existed) has its default, or what its
+    absence means where the default changed since (``absent_means``: target_floor, null)."""
+    if "absent_means" in f.metadata:
+        return {f.name: f.metadata["absent_means"]}
     value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     return {f.name: dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value}
