@@ -216,8 +216,10 @@ pilot-amendment: install model
 ## record's cell manifests state in every component; elsewhere, and for manifests that predate the CPU model,
 ## the same verdicts, sample sizes and accuracies, and every other number within 1e-5 relative or 1% of its
 ## row's 95% interval width. It prints which comparison it made and why (the components that differ or are
-## missing). An accuracy that differs is stated as the net number of items it moved: across CPU models an answer
-## decided by near-equal logits can flip (docs/studies/v5.md, "The run"), and that still fails the comparison.
+## missing). Across CPU models an answer decided by near-equal logits or a near-equal draw can flip
+## (docs/studies/v5.md, "The run"): off the record's platform an accuracy may differ only by flips at near-ties
+## that the cells' decisions.parquet show (the record's, else the rerun's), each named; any other differing
+## accuracy fails and is stated as the net number of items it moved (docs/pipeline.md).
 VERIFY_OUT ?= results/verify
 STUDIES ?= $(shell $(BIN)/python workflow/scripts/compare_results.py --list)
 verify-results: install

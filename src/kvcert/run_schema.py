@@ -101,6 +101,9 @@ class RunConfig:
     oracle: bool = knob(True, "keep the full cache beside and measure the true error")
     certify: bool = knob(True, "compute certificates (serving mode: certify=true oracle=false)")
     store_steps: bool = knob(True, "write one steps.parquet row per step x layer x KV head (false: item summaries only)")
+    decisions: bool = knob(True, "write decisions.parquet: per item and configuration, the decode and draw margins that "
+                           "decided its answer (make verify-results reads them; false: not written)",
+                           elided_at_default=True)
     calibration: Optional[str] = knob(None, 'a calibration file (kvcert-calibrate) or "design": adds cert_calibrated '
                                       "(+ coverage_calibrated)")
     check_calibration_prompts: bool = knob(True, "refuse a run whose prompts were calibrated on, or hold a task the "

@@ -7,6 +7,10 @@ capped at 1 and floored at ``pi_min``, scaled so that Σπ over the row equals t
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
 import torch
 
 from .run_schema import DESIGN
@@ -137,5 +141,36 @@ def poisson_sample(pi: torch.Tensor, generator: torch.Generator | None = None) -
         raise ValueError("inclusion probabilities must lie in [0, 1]")
     u = torch.rand(pi.shape, generator=generator_or_seeded_zero(generator, pi.device), device=pi.device,
                    dtype=torch.float64)
-    return u < pi.to(torch.float64)
+    pi = pi.to(torch.float64)
+    margins = _DRAW_MARGINS.get()
+    if margins is not None:  # only inside ``recording_draw_margins``; the draw itself is the same either way
+        margins.append(draw_margin(u, pi))
+    return u < pi
+
+
+# The draw margins of the poisson_sample calls made inside ``recording_draw_margins`` (None: not recording).
+_DRAW_MARGINS: ContextVar[list | None] = ContextVar("draw_margins", default=None)
+
+
+def draw_margin(u: torch.Tensor, pi: torch.Tensor) -> float:
+    """How close one Poisson sample came to another outcome: min |u − π| / π over its sampled slots (0 < π < 1).
+
+    u, pi: (..., n) float64, the uniform draws and the inclusion probabilities they were compared with (kept iff
+    u < π). A slot whose π moved by this relative amount (e.g. scores rounded differently on another CPU) could
+    be kept where it was dropped or the reverse; slots with π = 1 (the certain head) cannot flip. inf when no slot
+    was sampled."""
+    sampled = (pi > 0) & (pi < 1)
+    if not bool(sampled.any()):
+        return float("inf")
+    return float(((u - pi).abs() / pi)[sampled].min())
+
+
+@contextmanager
+def recording_draw_margins() -> Iterator[list[float]]:
+    """Collect ``draw_margin`` of every ``poisson_sample`` call made inside (one float per call, in call order)."""
+    token = _DRAW_MARGINS.set([])
+    try:
+        yield _DRAW_MARGINS.get()
+    finally:
+        _DRAW_MARGINS.reset(token)
 

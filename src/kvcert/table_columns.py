@@ -48,7 +48,20 @@ ALLOCATOR_ITEM_COLUMNS = ["allocator", "kept_bytes"]
 ALLOCATOR_STEP_COLUMNS = ["allocator"]
 SHARE_COLUMNS = ["head_fraction"]
 
+# ``decisions.parquet`` (kvcert.runner.decisions): one row per item × configuration, what decided its answer: the
+# decode margin (smallest gap, over the generated steps, between the chosen token's logit and the runner-up's; its
+# step, both tokens and the chosen logit), the draw margin (smallest |u − π| / π over the Poisson draws; NaN where
+# nothing was drawn) and a digest of the retained set. A separate table, so that items.parquet and steps.parquet
+# stay as they were; a row's configuration is named in full (allocator and certain-head share always).
+DECISION_COLUMNS = [
+    "item_id", "policy", "design", "budget", "seed", "setting", "allocator", "head_fraction", "model", "task",
+    "correct", "decode_margin", "decode_margin_step", "decided_token", "runner_up_token", "decided_logit",
+    "draw_margin", "selection_sha256",
+]
+DECISION_FLOAT32 = ["decode_margin", "decided_logit"]
+DECISION_INT32 = ["decode_margin_step", "decided_token", "runner_up_token"]
+
 __all__ = [
-    "ALLOCATOR_ITEM_COLUMNS", "ALLOCATOR_STEP_COLUMNS", "SHARE_COLUMNS", "CALIBRATED_ITEM_COLUMNS", "CALIBRATED_STEP_COLUMNS", "ITEM_COLUMNS", "KEY_COLUMNS", "STEP_COLUMNS",
+    "ALLOCATOR_ITEM_COLUMNS", "DECISION_COLUMNS", "DECISION_FLOAT32", "DECISION_INT32", "ALLOCATOR_STEP_COLUMNS", "SHARE_COLUMNS", "CALIBRATED_ITEM_COLUMNS", "CALIBRATED_STEP_COLUMNS", "ITEM_COLUMNS", "KEY_COLUMNS", "STEP_COLUMNS",
     "STEP_FLOAT32", "STEP_INT32",
 ]

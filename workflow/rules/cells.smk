@@ -38,6 +38,9 @@ rule cell:
     output:
         item_table=f"{OUT}/{{study}}/cells/{{cell}}/shard-{{shard}}/items.parquet",
         step_table=f"{OUT}/{{study}}/cells/{{cell}}/shard-{{shard}}/steps.parquet",
+        # what decided each answer (kvcert.runner.decisions); committed records predate it, and
+        # verify-results reads it where a record or a rerun has it
+        decision_table=f"{OUT}/{{study}}/cells/{{cell}}/shard-{{shard}}/decisions.parquet",
         manifest=f"{OUT}/{{study}}/cells/{{cell}}/shard-{{shard}}/manifest.json",
     log:
         f"{OUT}/logs/cells/{{study}}-{{cell}}-{{shard}}.log",

@@ -19,12 +19,30 @@ test's platform rule (tests/test_workflow.py):
   proven to be this machine's platform (the compiled kernel is built with -march=native, and another CPU
   model of the same capability rounds differently), so it is compared as below;
 - elsewhere (another CPU rounds float32 differently): the same rows, every non-float column
-  equal (verdicts, agreement, sample sizes, labels), accuracy.csv equal in every column (the accuracies; one
-  that differs is also stated as the net number of items it moved, since across CPU models an answer decided
-  by near-equal logits can flip),
-  and the other floats (estimates, interval ends, coverage, Spearman) equal within ``RTOL``/``ATOL`` or, in a
+  equal (verdicts, agreement, sample sizes, labels), accuracy.csv equal in every column except where a near-tie
+  explains an accuracy (below), and the other floats (estimates, interval ends, coverage, Spearman) equal within ``RTOL``/``ATOL`` or, in a
   row that states its 95% interval (``ci_low``, ``ci_high``), within ``WIDTH_FRACTION`` of the record's
   interval width, whichever is larger.
+
+Near-ties. Across CPU models an answer decided by a hair can be decided the other way. Each cell shard of a run
+since decision margins were recorded has ``decisions.parquet`` (kvcert.runner.decisions: per item and
+configuration the decode margin, the draw margin and a digest of the retained set; committed records predate it).
+Off the record's platform an accuracy that differs passes only when its change is made of whole flipped answers
+(one draw of an item moves its row by 1/(n · draws of the item)) each at a near-tie (kvcert.runner.decisions's
+DECODE_RTOL, DRAW_RTOL):
+
+- the record has decisions.parquet: the flipped draws are those whose ``correct`` differs; each must be a near-tie
+  by the record's margins: its decode margin, or its draw margin where the rerun retained another set; the record's
+  and the rerun's decisions must reproduce both accuracies;
+- the record predates them: near-ties per the rerun's own decisions; the change must be a sum of flips of
+  near-tie draws (a draw the rerun got right may have been wrong in the record, and the reverse), the fewest
+  such flips are named.
+
+Each accepted flip is printed (study, cell, configuration, item, which margin and its value); an accuracy with a
+flip that no near-tie explains, or more flips than its near-ties, fails. Verdicts and sample sizes are never
+excused; claims.csv and reproduction.csv keep the float rule above, so an accepted flip that moves a claim's
+estimate beyond it still fails there. Where the record keeps its cells' items.parquet, ``compare_cells`` compares
+them row by row with the same rule (every changed answer a near-tie; other numbers within ``ITEM_RTOL``).
 
 It prints which comparison it made and why (the platform components that differ or that the record lacks),
 then one line per table; the exit status is 1 when any table differs (with the differing values) and 2 on
@@ -37,6 +55,7 @@ import argparse
 import csv
 import io
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -44,6 +63,7 @@ import numpy as np
 import pandas as pd
 
 from kvcert.provenance import numeric_platform, platform_differences
+from kvcert.runner.decisions import DECODE, DRAW, near_ties
 
 TABLES = ("claims.csv", "reproduction.csv", "accuracy.csv")
 # Across CPU instruction sets (AVX2 vs AVX512) the float32 kernel sums its 64-term dot products in another
@@ -64,6 +84,13 @@ EXACT_TABLES = ("accuracy.csv",)
 # accuracy.csv (study v5's rows differ only in model, design, budget, allocator or certain-head share).
 ROW_KEYS = ("study", "claim", "quantity", "model", "task", "setting", "policy", "design", "budget", "allocator",
             "head_fraction")
+# The cell tables a verification reads beside the three: decisions.parquet of every shard (optional in a record).
+DECISIONS = "decisions.parquet"
+# Per-item numbers of two runs whose answers and retained sets agree (``compare_cells``): float32 logits differ by
+# about LOGIT_RTOL (1e-4) relative across CPU models, and an item's means over its steps carry that; ten times it
+# relative, and for log-probabilities (a logit minus a log-sum-exp, each moved by 1e-4 of a logit of up to ~50)
+# 0.01 absolute.
+ITEM_RTOL, LOGPROB_ATOL = 1e-3, 1e-2
 TOLERANCE = f"rtol {RTOL:g} (atol {ATOL:g}) or {WIDTH_FRACTION:g} of the row's interval width"
 SCALES = Path(__file__).resolve().parents[1] / "scales"
 
@@ -154,8 +181,13 @@ def _interval_width(frame: pd.DataFrame) -> np.ndarray:
     return np.nan_to_num(np.abs(high - low), nan=0.0, posinf=0.0)
 
 
-def compare_table(committed: Path, fresh: Path, studies: list[str], byte_for_byte: bool) -> list[str]:
-    """Differences of the studies' rows between two copies of one table (empty when they agree)."""
+def compare_table(committed: Path, fresh: Path, studies: list[str], byte_for_byte: bool,
+                  explain=None, accepted: list[str] | None = None) -> list[str]:
+    """Differences of the studies' rows between two copies of one table (empty when they agree).
+
+    explain: off the record's platform, called for a differing accuracy with (record row, rerun row) as dicts;
+    returns the lines naming the flips that explain it (appended to ``accepted``, the difference excused), or
+    None (the difference stands)."""
     (head_a, rows_a), (head_b, rows_b) = _study_lines(committed, studies), _study_lines(fresh, studies)
     if not rows_a:
         raise CompareError(f"{committed}: no row of study {', '.join(studies)}")
@@ -182,9 +214,23 @@ def compare_table(committed: Path, fresh: Path, studies: list[str], byte_for_byt
             same = ((x == y) | (x.isna() & y.isna())).to_numpy()
         for i in np.flatnonzero(~same):
             label = " ".join(str(a.at[i, k]) for k in ROW_KEYS if k in a and not pd.isna(a.at[i, k]))
+            if column == "accuracy" and explain is not None and _others_equal(a, b, i, column):
+                lines = explain(a.iloc[i].to_dict(), b.iloc[i].to_dict())
+                if lines is not None:
+                    if accepted is not None:
+                        accepted.append(f"{label}: accuracy {_plain(x.iat[i])!r} vs {_plain(y.iat[i])!r}, explained by "
+                                        f"{len(lines)} near-tie flip{'s' if len(lines) != 1 else ''}:")
+                        accepted.extend(f"  {line}" for line in lines)
+                    continue
             diffs.append(f"{label}: {column} {_plain(x.iat[i])!r} vs {_plain(y.iat[i])!r}"
                          + (_items_changed(x.iat[i], y.iat[i], a.at[i, "n"]) if column == "accuracy" and "n" in a else ""))
     return diffs
+
+
+def _others_equal(a: pd.DataFrame, b: pd.DataFrame, i: int, column: str) -> bool:
+    """Whether row i of the two frames agrees in every column but ``column`` (its sample size above all)."""
+    return all(_plain(a.at[i, c]) == _plain(b.at[i, c]) or (pd.isna(a.at[i, c]) and pd.isna(b.at[i, c]))
+               for c in a.columns if c != column)
 
 
 def _items_changed(record: float, rerun: float, n: int) -> str:
@@ -200,17 +246,212 @@ def _items_changed(record: float, rerun: float, n: int) -> str:
     return f" (net {items:.2f} of {int(n)} items)"
 
 
+def study_decisions(root: Path, study: str) -> pd.DataFrame | None:
+    """Every decisions.parquet of a study's cell shards under ``root`` (``<root>/<study>/cells/<cell>/shard-<k>/``),
+    with columns ``cell`` ("<cell>/shard-<k>") added; None when no shard has one (a record that predates them)."""
+    paths = sorted((root / study / "cells").glob(f"*/shard-*/{DECISIONS}"))
+    if not paths:
+        return None
+    frames = []
+    for path in paths:
+        try:
+            frame = pd.read_parquet(path)
+        except Exception as err:  # noqa: BLE001 - any unreadable file is bad input, named
+            raise CompareError(f"{path}: unreadable ({type(err).__name__})") from None
+        frames.append(frame.assign(cell=f"{path.parent.parent.name}/{path.parent.name}"))
+    return pd.concat(frames, ignore_index=True)
+
+
+def _row_decisions(decisions: pd.DataFrame, row: dict) -> pd.DataFrame:
+    """The decisions rows of one accuracy.csv row: its model, task, setting, policy, design, budget, allocator
+    (none stated: uniform) and, for design poisson, its certain-head share (the other designs' rows pool every
+    share, kvcert.analysis.accuracy)."""
+    mask = np.ones(len(decisions), bool)
+    for key in ("model", "task", "setting", "policy", "design"):
+        if key in row and key in decisions:
+            mask &= (decisions[key].astype(str) == str(row[key])).to_numpy()
+    mask &= np.isclose(decisions["budget"].to_numpy(float), float(row["budget"]), atol=1e-9)
+    allocator = row.get("allocator")
+    mask &= (decisions["allocator"] == (allocator if isinstance(allocator, str) and allocator else "uniform")).to_numpy()
+    share = row.get("head_fraction")
+    if row.get("design") == "poisson" and share is not None and not pd.isna(share):
+        mask &= np.isclose(decisions["head_fraction"].to_numpy(float), float(share), atol=1e-9)
+    return decisions[mask]
+
+
+def _accuracy(rows: pd.DataFrame) -> float:
+    """An accuracy.csv accuracy of decisions rows: per item the mean over its draws, then the mean over items."""
+    return round(100 * float(rows.groupby("item_id")["correct"].mean().mean()), 4)
+
+
+def _configuration(row) -> str:
+    share = f" share {float(row['head_fraction']):g}" if row["design"] == "poisson" else ""
+    allocator = f" {row['allocator']}" if row["allocator"] != "uniform" else ""
+    return (f"{row['cell']} {row['policy']} {row['design']} {float(row['budget']):g}{allocator}{share} seed "
+            f"{int(row['seed'])} item {row['item_id']}")
+
+
+def _flip(study: str, row, kind: str, value: float, correct: tuple[bool, bool], per: str) -> str:
+    return (f"{study} {_configuration(row)}: correct {correct[0]} -> {correct[1]}, {kind} {value:.3g} "
+            f"(near-tie per {per})")
+
+
+def explain_accuracy(committed: Path, fresh: Path, record: dict, rerun: dict) -> list[str] | None:
+    """The near-tie flips that explain a differing accuracy row (record vs rerun, accuracy.csv rows as dicts), one
+    line each; None when they cannot (no decisions, a flip without a near-tie, more flips than near-ties)."""
+    study = str(record["study"])
+    ours = study_decisions(fresh, study)
+    if ours is None:
+        return None
+    ours = _row_decisions(ours, rerun)
+    theirs = study_decisions(committed, study)
+    if theirs is not None:
+        theirs = _row_decisions(theirs, record)
+    if len(ours) == 0 or _accuracy(ours) != round(float(rerun["accuracy"]), 4):
+        return None  # the rerun's decisions do not describe its table
+    if theirs is not None and len(theirs):
+        return _flips_per_record(study, theirs, ours, record)
+    return _flips_per_rerun(study, ours, float(record["accuracy"]), float(rerun["accuracy"]), int(record["n"]))
+
+
+def _flips_per_record(study: str, theirs: pd.DataFrame, ours: pd.DataFrame, record: dict) -> list[str] | None:
+    """Exact: the draws whose answer changed, each a near-tie by the record's margins (a draw margin counts only
+    where the rerun retained another set)."""
+    if _accuracy(theirs) != round(float(record["accuracy"]), 4):
+        return None
+    keys = ["cell", "item_id", "policy", "design", "budget", "seed", "allocator", "head_fraction"]
+    both = theirs.merge(ours, on=keys, suffixes=("", "_rerun"), how="outer", indicator=True)
+    if not (both["_merge"] == "both").all():
+        return None  # the two runs decided different sets of draws
+    lines = []
+    for _, row in both[both["correct"] != both["correct_rerun"]].iterrows():
+        ties = near_ties(row)
+        if row["selection_sha256"] == row["selection_sha256_rerun"]:
+            ties.pop(DRAW, None)  # the same tokens retained: the draws did not decide this
+        if not ties:
+            return None
+        kind, value = next(iter(ties.items()))
+        lines.append(_flip(study, row, kind, value, (bool(row["correct"]), bool(row["correct_rerun"])), "the record"))
+    return lines or None
+
+
+def _flips_per_rerun(study: str, ours: pd.DataFrame, before: float, after: float, n: int) -> list[str] | None:
+    """The record has no decisions: the fewest near-tie draws of the rerun whose flips make the change
+    (accuracies in points, n items); None when no set of them does."""
+    draws = ours.groupby("item_id")["seed"].transform("size").to_numpy(int)
+    scale = int(np.lcm.reduce(np.unique(draws)))  # one draw of an item is scale / draws in these units
+    change = (after - before) * n / 100 * scale
+    target = int(round(change))
+    # accuracies are written to 4 decimals: each end may be off by 5e-5 points
+    if abs(change - target) > 1e-4 * n / 100 * scale + 1e-9:
+        return None
+    candidates = []
+    for position, (_, row) in enumerate(ours.iterrows()):
+        ties = near_ties(row)
+        if ties:  # a draw the rerun got right may have been wrong in the record (+), and the reverse (-)
+            weight = scale // draws[position]
+            candidates.append((weight if row["correct"] else -weight, row, *next(iter(ties.items()))))
+    # fewest flips reaching the target: a breadth-first search over reachable sums
+    reach = {0: []}
+    for weight, row, kind, value in candidates:
+        for total, chosen in list(reach.items()):
+            new = total + weight
+            if new not in reach or len(reach[new]) > len(chosen) + 1:
+                reach[new] = chosen + [(weight, row, kind, value)]
+    if target == 0 or target not in reach:
+        return None
+    per = "the rerun: the record predates decision margins"
+    return [_flip(study, row, kind, value, (not bool(row["correct"]), bool(row["correct"])), per)
+            for _, row, kind, value in reach[target]]
+
+
+def compare_cells(record: Path, rerun: Path, label: str = "") -> tuple[list[str], list[str]]:
+    """(differences, accepted flips) of two runs of one cell shard, row by row of items.parquet: the same rows;
+    an answer (prediction or correct) that changed must be a near-tie by the record's decisions.parquet (the
+    rerun's where the record has none): its decode margin, or its draw margin where the retained set changed;
+    a retained set that changed must be a draw near-tie; the other numbers within ITEM_RTOL (log-probabilities
+    LOGPROB_ATOL)."""
+    def load(folder: Path, name: str) -> pd.DataFrame | None:
+        path = folder / name
+        if not path.is_file():
+            if name == DECISIONS:
+                return None
+            raise CompareError(f"{path}: missing")
+        return pd.read_parquet(path)
+
+    items_a, items_b = load(record, "items.parquet"), load(rerun, "items.parquet")
+    dec_a, dec_b = load(record, DECISIONS), load(rerun, DECISIONS)
+    if dec_b is None:
+        raise CompareError(f"{rerun / DECISIONS}: missing (the rerun must record its decisions)")
+    margins, per = (dec_a, "the record") if dec_a is not None else (dec_b, "the rerun: the record predates decision margins")
+    keys = [c for c in ("item_id", "policy", "design", "budget", "seed", "setting", "allocator", "head_fraction")
+            if c in items_a.columns]
+    if list(items_a.columns) != list(items_b.columns):
+        return [f"{label}items.parquet columns {list(items_a.columns)} vs {list(items_b.columns)}"], []
+    both = items_a.merge(items_b, on=keys, suffixes=("", "_rerun"), how="outer", indicator=True)
+    if not (both["_merge"] == "both").all():
+        return [f"{label}items.parquet: {int((both['_merge'] != 'both').sum())} rows in one run only"], []
+    dkeys = ["item_id", "policy", "design", "budget", "seed"]
+    margins = margins.set_index(dkeys)
+    digests = dec_b.set_index(dkeys)["selection_sha256"]
+    diffs, accepted = [], []
+    floats = [c for c in items_a.columns if c not in keys and pd.api.types.is_float_dtype(items_a[c])]
+    for _, row in both.iterrows():
+        key = tuple(row[k] for k in dkeys)
+        name = f"{label}{row['policy']} {row['design']} {float(row['budget']):g} seed {int(row['seed'])} item {row['item_id']}"
+        decided = margins.loc[key] if key in margins.index else None
+        if isinstance(decided, pd.DataFrame):
+            decided = decided.iloc[0]
+        moved = (dec_a is not None and decided is not None and key in digests.index
+                 and decided["selection_sha256"] != digests.loc[key])
+        ties = near_ties(decided) if decided is not None else {}
+        if not moved and dec_a is not None:
+            ties.pop(DRAW, None)  # the same tokens retained: the draws did not decide it
+        changed = row["prediction"] != row["prediction_rerun"] or row["correct"] != row["correct_rerun"]
+        if changed or moved:
+            if not ties:
+                what = "answer" if changed else "retained set"
+                diffs.append(f"{name}: {what} changed ({row['prediction']!r} -> {row['prediction_rerun']!r}, correct "
+                             f"{row['correct']} -> {row['correct_rerun']}) with no near-tie (decode margin "
+                             f"{_margin(decided, 'decode_margin')}, draw margin {_margin(decided, 'draw_margin')})")
+            elif changed:
+                kind, value = next(iter(ties.items()))
+                accepted.append(f"{name}: correct {row['correct']} -> {row['correct_rerun']}, {kind} {value:.3g} "
+                                f"(near-tie per {per})")
+            continue
+        for column in floats:
+            x, y = float(row[column]), float(row[f"{column}_rerun"])
+            if math.isnan(x) and math.isnan(y):
+                continue
+            tolerance = LOGPROB_ATOL if column.startswith("logprob") else ITEM_RTOL * max(abs(x), abs(y))
+            if not abs(x - y) <= tolerance:
+                diffs.append(f"{name}: {column} {x!r} vs {y!r}")
+    return diffs, accepted
+
+
+def _margin(decided, column: str) -> str:
+    return "unknown" if decided is None else f"{float(decided[column]):.3g}"
+
+
 def compare(committed: Path, fresh: Path, studies: list[str], byte_for_byte: bool,
             tables: tuple[str, ...] = TABLES) -> bool:
-    """Print one line per table (and its differences); True when every table agrees."""
+    """Print one line per table (and its differences, and the near-tie flips it accepted); True when every
+    table agrees. Off the record's platform an accuracy may differ by near-tie flips (``explain_accuracy``)."""
     ok = True
     for name in tables:
-        diffs = compare_table(committed / name, fresh / name, studies, byte_for_byte)
+        accepted: list[str] = []
+        explain = None if byte_for_byte else (lambda r, f: explain_accuracy(committed, fresh, r, f))
+        diffs = compare_table(committed / name, fresh / name, studies, byte_for_byte, explain, accepted)
+        for line in accepted:
+            print(f"verify-results: {name}: accepted {line}" if not line.startswith("  ") else f"  {line}")
         if not diffs:
             if byte_for_byte:
                 agreed = "identical"
             else:
                 agreed = "equal" if name in EXACT_TABLES else f"equal, floats within {TOLERANCE}"
+                if accepted:
+                    rows = sum(1 for line in accepted if not line.startswith("  "))
+                    agreed += f" but for {rows} accurac{'ies' if rows != 1 else 'y'} explained by near-tie flips (above)"
             print(f"verify-results: {name} ({', '.join(studies)}): {agreed}")
             continue
         ok = False

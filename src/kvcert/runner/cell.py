@@ -13,6 +13,7 @@ import shutil
 import sys
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -34,6 +35,7 @@ from ..provenance import code_fingerprint, sha256_file, short
 from ..table_columns import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS, SHARE_COLUMNS
 from ..targets import CHOICE_COLUMNS
 from .config import CellConfig, Configuration, plain_config, validate
+from .decisions import LogitTops, decision_frame, draw_record
 from .manifest import build_manifest
 from .shard_lock import shard_lock
 from .tables import ITEM_COLUMNS, empty_step_table, logprob_summary, summarize_steps, tag_steps
@@ -92,11 +94,13 @@ def batches(configurations: list[Configuration]) -> list[list[Configuration]]:
 
 
 def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, meta: dict, timings: dict,
-             choices: list | None = None):
+             choices: list | None = None, decisions: list | None = None):
     """All configurations of one item from one prefill: (item rows, step frame).
 
     prompt: the item's token ids from ``item_prompt``; choices: with a target, collects each configuration's
-    choice log (one frame of KEY_COLUMNS + kvcert.targets.CHOICE_COLUMNS per configuration).
+    choice log (one frame of KEY_COLUMNS + kvcert.targets.CHOICE_COLUMNS per configuration); decisions: collects
+    one dict per configuration, what decided its answer (kvcert.runner.decisions; DECISION_COLUMNS). Recording
+    them observes the decode and repeats the selections; it changes no item or step row.
     """
     max_new = int(item.max_new_tokens)
     needs = prefill_needs(cell.all_policies, cell.policy_options)
@@ -112,15 +116,19 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
     configuration = {**({"allocator": cell.allocator} if allocated else {}),
                      **({"head_fraction": float(cell.options.head_fraction)} if shared else {})}
     rows, steps = [], []
+    tops = LogitTops(model)
+    # without a suffix the first token is chosen from the prefill's last logits, with no pass of the decode
+    initial = state.last_logits if state.suffix_ids.shape[-1] == 0 else None
     for group in batches(cell.configurations()):
         start = time.perf_counter()
-        decoded_group = decode_configurations(
-            model, state, group, item_id=item.id, max_new_tokens=max_new, stop_ids=stop, certify=cell.certify,
-            oracle=cell.oracle, delta=cell.delta, options=cell.options, allocator=cell.allocator,
-            allocator_options=cell.allocator_options, target=cell.target, calibration=cell.calibration,
-        )
+        with tops.recording(initial) if decisions is not None else nullcontext():
+            decoded_group = decode_configurations(
+                model, state, group, item_id=item.id, max_new_tokens=max_new, stop_ids=stop, certify=cell.certify,
+                oracle=cell.oracle, delta=cell.delta, options=cell.options, allocator=cell.allocator,
+                allocator_options=cell.allocator_options, target=cell.target, calibration=cell.calibration,
+            )
         timings["decode"] += time.perf_counter() - start
-        for conf, decoded in zip(group, decoded_group):
+        for row, (conf, decoded) in enumerate(zip(group, decoded_group)):
             prediction = tokenizer.decode(decoded.token_ids, skip_special_tokens=True)
             score = float(score_item(item, prediction))
             keys = {"item_id": item.id, "policy": conf.policy, "design": conf.design, "budget": conf.budget,
@@ -142,6 +150,14 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
             if allocated:
                 rows[-1].update(kept_bytes=decoded.kept_bytes)
             rows[-1].update(configuration)
+            if decisions is not None:
+                margin, digest = draw_record(state, conf, item_id=item.id, options=cell.options,
+                                             allocator=cell.allocator, allocator_options=cell.allocator_options,
+                                             target=cell.target, calibration=cell.calibration)
+                decisions.append({**keys, "allocator": cell.allocator, "head_fraction": float(cell.options.head_fraction),
+                                  "model": meta["model"], "task": item.task, "correct": rows[-1]["correct"],
+                                  **tops.decode_margin(row, decoded.token_ids), "draw_margin": margin,
+                                  "selection_sha256": digest})
             if len(stored) and cell.store_steps:
                 steps.append(stored.assign(**configuration) if configuration else stored)
     step_frame = pd.concat(steps, ignore_index=True) if steps else empty_step_table()
@@ -211,7 +227,8 @@ def _run_cell(cell: CellConfig, out_dir: Path, wall: float) -> Path:
         # A failure before any item finished leaves nothing behind; finished items are kept for the rerun.
         if not any(parts.glob("*.items.parquet")):
             marker.unlink(missing_ok=True)
-            for leftover in [*parts.glob(".*.tmp"), *parts.glob("*.steps.parquet"), *parts.glob("*.targets.parquet")]:
+            for leftover in [*parts.glob(".*.tmp"), *parts.glob("*.steps.parquet"), *parts.glob("*.targets.parquet"),
+                             *parts.glob("*.decisions.parquet")]:
                 leftover.unlink(missing_ok=True)
             _remove_empty(created)
         raise
@@ -271,7 +288,9 @@ def _run_items(cell: CellConfig, spec, model, tokenizer, items, shard, prompts, 
         if index in done:
             continue
         choices = [] if cell.target is not None else None
-        item_rows, step_rows = run_item(model, tokenizer, item, prompts[index], cell, meta, timings, choices)
+        decisions = [] if cell.decisions else None
+        item_rows, step_rows = run_item(model, tokenizer, item, prompts[index], cell, meta, timings, choices,
+                                        decisions)
         start = time.perf_counter()
         if choices is not None:  # a target cell's per-item record of the chosen sizes
             write_parquet_atomic(_choice_frame(choices), parts / f"{index:06d}.targets.parquet")
@@ -279,6 +298,8 @@ def _run_items(cell: CellConfig, spec, model, tokenizer, items, shard, prompts, 
         write_parquet_atomic(item_rows, parts / f"{index:06d}.items.parquet")  # written last: the commit
         timings["write"] += time.perf_counter() - start
         bar.update(1)
+        if decisions is not None:  # what decided each answer (kvcert.runner.decisions)
+            write_parquet_atomic(decision_frame(decisions), parts / f"{index:06d}.decisions.parquet")
     bar.close()
 
     start = time.perf_counter()
@@ -298,6 +319,10 @@ def _run_items(cell: CellConfig, spec, model, tokenizer, items, shard, prompts, 
     write_parquet_atomic(items_frame, outputs["items.parquet"])
     write_text_atomic(config_yaml(cell.resolved), outputs["config.yaml"])
     timings["write"] += time.perf_counter() - start
+    if cell.decisions:
+        outputs["decisions.parquet"] = out_dir / "decisions.parquet"
+        write_parquet_atomic(pd.concat([pd.read_parquet(parts / f"{i:06d}.decisions.parquet") for i in range(len(shard))],
+                                       ignore_index=True), outputs["decisions.parquet"])
     timings["total"] = time.perf_counter() - wall
     parameter = next(model.parameters())
     certified = (cell.certify or cell.oracle) and any(not c.is_full for c in cell.configurations())
