@@ -100,3 +100,51 @@ def test_main_writes_the_table_and_names_a_missing_study_file(check, tables, tmp
         check.main(tmp_path / "summary.csv", tmp_path / "nowhere.csv", "fixed poisson 0.5", 0.02,
                    tmp_path / "other.csv")
     assert not (tmp_path / "other.csv").exists()
+
+
+# --- the paired table (workflow/scripts/heldout_paired.py; exploratory, no part of the criterion) -----------------
+
+
+@pytest.fixture(scope="module")
+def paired():
+    spec = importlib.util.spec_from_file_location("heldout_paired", ROOT / "workflow" / "scripts" / "heldout_paired.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def counted(model, configuration, correct, n=40, eps=None):
+    return {"model": model, "configuration": configuration, "target_error": eps, "n_items": n,
+            "accuracy": 100 * correct / n}
+
+
+def test_the_paired_table_bounds_the_exact_mcnemar_p_by_the_items_lost(paired):
+    # 39 of 40 right under the fixed budget: a target at 38 lost one item, at 33 six, at 40 none (one gained)
+    summary = pd.DataFrame([counted("m", "full", 40), counted("m", "fixed poisson 0.5", 39),
+                            counted("m", "target 0.1", 38, eps=0.1), counted("m", "target 0.05", 33, eps=0.05),
+                            counted("m", "target 0.1 floor 0.25", 40, eps=0.1)])
+    table = paired.paired_table(summary, "fixed poisson 0.5").set_index("configuration")
+    assert table["lost"].tolist() == [1, 6, -1] and table["min_discordant"].tolist() == [1, 6, 1]
+    # one discordant item: p = 1 whatever the pairing; six all one way: 2 · 0.5^6; a gain of one: 1 again
+    assert table["mcnemar_p_min"].tolist() == pytest.approx([1.0, 2 * 0.5 ** 6, 1.0])
+    assert (table["correct"] + table["lost"] == table["fixed_correct"]).all()
+
+
+def test_the_paired_table_refuses_unpaired_or_fractional_items(paired):
+    unpaired = pd.DataFrame([counted("m", "fixed poisson 0.5", 39), counted("m", "target 0.1", 19, n=20, eps=0.1)])
+    with pytest.raises(ValueError, match=r"'target 0.1' has 20 items, 'fixed poisson 0.5' 40: not paired$"):
+        paired.paired_table(unpaired, "fixed poisson 0.5")
+    fractional = pd.DataFrame([counted("m", "fixed poisson 0.5", 39), {**counted("m", "target 0.1", 38, eps=0.1),
+                                                                          "accuracy": 95.3}])
+    with pytest.raises(ValueError, match=r"accuracy 95.3 of 40 items is not a whole number of items$"):
+        paired.paired_table(fractional, "fixed poisson 0.5")
+    with pytest.raises(ValueError, match=r"0 rows of model=m configuration='fixed topk 0.5'"):
+        paired.paired_table(unpaired, "fixed topk 0.5")
+
+
+@pytest.mark.parametrize("name", ["certified-budgets-heldout-2", "certified-budgets-heldout-3"])
+def test_the_committed_paired_tables_are_their_summaries(paired, name, tmp_path):
+    """The committed paired.csv of each pre-registered check is recomputed byte for byte from its summary.csv."""
+    folder = ROOT / "results" / name / "certified-budgets"
+    paired.main(folder / "summary.csv", "fixed poisson 0.5", tmp_path / "paired.csv")
+    assert (tmp_path / "paired.csv").read_text() == (folder / "paired.csv").read_text()

@@ -24,6 +24,7 @@ EXPLORATORY_OUTPUTS = [
       for path in (*(f"{OUT}/{name}/{table}.csv" for table in CERTIFIED_TABLES),
                    f"{FIG}/{name}/{name}.png", f"{FIG}/{name}/{name}.pdf")),
     *(f"{OUT}/{name}/check.csv" for name in CHECKED_STUDIES),
+    *(f"{OUT}/{name}/paired.csv" for name in CHECKED_STUDIES),
     *(f"{OUT}/{name}/accuracy.csv" for name in ACCURACY_STUDIES),
 ]
 
@@ -120,3 +121,21 @@ rule certified_budgets_check:
         check=lambda wc: dict(S["exploratory"][wc.name]["check"]),
     script:
         "../scripts/heldout_check.py"
+
+
+# Exploratory, added after held-out check 3 was read (no part of any check): what a paired exact McNemar test of each
+# target against the check's fixed budget can say from the summary alone (workflow/scripts/heldout_paired.py).
+rule certified_budgets_paired:
+    input:
+        summary=f"{OUT}/{{name}}/summary.csv",
+    output:
+        f"{OUT}/{{name}}/paired.csv",
+    log:
+        f"{OUT}/logs/{{name}}-paired.log",
+    wildcard_constraints:
+        name="|".join(CHECKED_STUDIES) or "no-held-out-check",
+    params:
+        analysis=ANALYSIS_FINGERPRINT,
+        check=lambda wc: dict(S["exploratory"][wc.name]["check"]),
+    script:
+        "../scripts/heldout_paired.py"
