@@ -41,7 +41,9 @@ def one_round(model, ids: torch.Tensor, targets: list[float], cap: float, window
     views = state.layer_views()
     for eps in targets:
         start = time.perf_counter()
-        targeted_selections(views, scores, Target(eps, 0.05), cap, seed=0)
+        # floor=None: the targets as measured for benchmarks/README.md, before the floor at half the cap became
+        # the default (a floor only raises the search's lower end)
+        targeted_selections(views, scores, Target(eps, 0.05, floor=None), cap, seed=0)
         times[f"target {eps:g}"] = time.perf_counter() - start
     return times
 
