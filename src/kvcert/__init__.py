@@ -2,9 +2,10 @@
 
 Public API (stable): ``hajek_attention``, ``inclusion_probabilities``, ``poisson_sample``, ``certificate``,
 ``generate``, ``prefill`` / ``select`` / ``decode`` (one shared prefill, many configurations),
-``attach`` (the scoped switch to kvcert attention), ``CompressedCache`` (storage) and its
-``CertificateRecorder`` (statistics), ``load_model``, and the registries ``POLICIES``, ``DESIGNS`` and
-``ALLOCATORS``.
+``attach`` (the scoped switch to kvcert attention), ``press`` (kvcert around stock ``model.generate``, with a
+certificate per answer), ``CompressedCache`` (storage) and its ``CertificateRecorder`` (statistics),
+``load_model``, the registries ``POLICIES``, ``DESIGNS`` and ``ALLOCATORS``, and ``register_policy`` (a policy of
+your own).
 The formulas are in docs/METHOD.md, the vocabulary in docs/GLOSSARY.md.
 
 Names are imported on first use, so that command-line tools that need no model (the claim analyses)
@@ -37,6 +38,10 @@ _EXPORTS = {
     "load_model": "models",
     "load_tokenizer": "models",
     "POLICIES": "policies",
+    "register_policy": "policies",
+    "AnswerCertificate": "presses",
+    "Press": "presses",
+    "press": "presses",
     "build_prompt": "prompts",
     "LayerView": "policies",
     "retained_count": "sampling",

@@ -127,24 +127,52 @@ def prefill(
     device = next(model.parameters()).device
     prefix_ids = prefix_ids.to(device)
     suffix_ids = (suffix_ids if suffix_ids is not None else prefix_ids[:, :0]).to(device)
-    n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    ctx = AttentionContext.for_prefill(n_layers, observation_window=observation_window, accumulate=accumulate)
-    n = prefix_ids.shape[-1]
-    tables = rotary_tables(model, n + FUTURE_POSITIONS) if query_statistics or pre_rope_keys else None
-    if query_statistics:
-        for obs, layer_tables in zip(ctx.observations, tables):
-            obs.query_statistics = QueryStatistics(layer_tables)
+    recording = PrefillRecording.start(model, prefix_ids.shape[-1], observation_window=observation_window,
+                                       accumulate=accumulate, query_statistics=query_statistics,
+                                       pre_rope_keys=pre_rope_keys)
     # Only the last position's logits are needed; the full (n, vocab) matrix would dominate the prefill.
-    with attach(model, ctx):  # bound, not passed as a keyword: some architectures do not forward keywords
-        out = model(input_ids=prefix_ids, cache=ctx.cache, use_cache=True, logits_to_keep=1)
-    for i, (obs, layer) in enumerate(zip(ctx.observations, ctx.cache.layers)):
-        if obs.query_statistics is not None:
-            obs.query_statistics.finish(n)
-        if pre_rope_keys:  # the prefill's cache holds every prefix key, in position order
-            cos, sin = tables[i]
-            obs.pre_rope_keys = unrotate(layer.keys, cos[:n], sin[:n]).float()
-    return Prefill(ctx.cache, ctx.observations, prefix_ids, suffix_ids, out.logits[:, -1].float(), setting,
-                   dict(policy_options or {}))
+    with attach(model, recording.context):  # bound, not passed as a keyword: some architectures do not forward keywords
+        out = model(input_ids=prefix_ids, cache=recording.context.cache, use_cache=True, logits_to_keep=1)
+    return recording.finish(prefix_ids, suffix_ids, out.logits[:, -1].float(), setting, policy_options)
+
+
+@dataclass
+class PrefillRecording:
+    """What a prefill records while the model runs over the prefix: the observed context (an empty
+    ``CompressedCache`` and one ``Observation`` per layer) and, where asked, the rotary tables of the prefix and
+    its future positions. ``prefill`` runs the model between ``start`` and ``finish``; ``kvcert.press`` lets
+    ``model.generate`` run it."""
+
+    context: AttentionContext
+    n: int
+    tables: list | None
+    pre_rope_keys: bool
+
+    @classmethod
+    def start(cls, model, n: int, *, observation_window: int, accumulate: bool, query_statistics: bool,
+              pre_rope_keys: bool) -> PrefillRecording:
+        """An empty observed context for a prefix of ``n`` tokens (see ``prefill`` for the options)."""
+        n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        ctx = AttentionContext.for_prefill(n_layers, observation_window=observation_window, accumulate=accumulate)
+        tables = rotary_tables(model, n + FUTURE_POSITIONS) if query_statistics or pre_rope_keys else None
+        if query_statistics:
+            for obs, layer_tables in zip(ctx.observations, tables):
+                obs.query_statistics = QueryStatistics(layer_tables)
+        return cls(ctx, n, tables, pre_rope_keys)
+
+    def finish(self, prefix_ids: torch.Tensor, suffix_ids: torch.Tensor, last_logits: torch.Tensor, setting: str,
+               policy_options: dict | None) -> Prefill:
+        """The ``Prefill`` once the model has run over ``prefix_ids`` (1, n) on ``context``'s cache;
+        last_logits: (1, vocab) float32."""
+        ctx, n = self.context, self.n
+        for i, (obs, layer) in enumerate(zip(ctx.observations, ctx.cache.layers)):
+            if obs.query_statistics is not None:
+                obs.query_statistics.finish(n)
+            if self.pre_rope_keys:  # the prefill's cache holds every prefix key, in position order
+                cos, sin = self.tables[i]
+                obs.pre_rope_keys = unrotate(layer.keys, cos[:n], sin[:n]).float()
+        return Prefill(ctx.cache, ctx.observations, prefix_ids, suffix_ids, last_logits, setting,
+                       dict(policy_options or {}))
 
 
 def allocate(
@@ -289,6 +317,26 @@ def _footprint(state: Prefill, selections: list[Selection] | None) -> tuple[floa
     return float(np.mean(retained)), compressed, full, kept
 
 
+def decoding_context(state: Prefill, configurations: list[list[Selection] | None], *, reserve: int, certify: bool,
+                     oracle: bool) -> AttentionContext:
+    """The context a decoding attends with: a cache derived from the prefill, one batch row per configuration
+    (per-layer Selections, or None for the full cache) with ``reserve`` slots of spare capacity, a
+    ``CertificateRecorder`` where some row is compressed and certificates or the oracle are asked for, the
+    prefill's uncompressed cache as the oracle, and the decode-time samplers of design clt's rows."""
+    any_compressed = any(c is not None for c in configurations)
+    cache = state.cache.derive_batch(configurations, reserve=reserve)
+    recorder = None
+    if (certify or oracle) and any_compressed:
+        keys = state.cache.layers[0].keys
+        recorder = CertificateRecorder(max(layer.length for layer in cache.layers), oracle=oracle,
+                                       path=attention_path(keys.dtype, keys.device))
+    # design clt's rows: every slot kept, attention estimated by a fresh sample at each query
+    samplers = {r: [sel.sampler for sel in c] for r, c in enumerate(configurations)
+                if c is not None and c and c[0].sampler is not None}
+    return AttentionContext(cache, recorder=recorder, oracle=state.cache if oracle and any_compressed else None,
+                            samplers=samplers)
+
+
 class Decoding:
     """Greedy generation for several configurations of one prompt, one batch row each, a forward pass at a time.
 
@@ -321,19 +369,10 @@ class Decoding:
         self.model, self.state, self.configurations = model, state, configurations
         self.max_new_tokens, self.stop_ids, self.delta = max_new_tokens, stop_ids or set(), delta
         rows = len(configurations)
-        any_compressed = any(c is not None for c in configurations)
         suffix = state.suffix_ids
-        self.cache = state.cache.derive_batch(configurations, reserve=suffix.shape[-1] + max_new_tokens)
-        self.recorder = None
-        if (certify or oracle) and any_compressed:
-            keys = state.cache.layers[0].keys
-            self.recorder = CertificateRecorder(max(layer.length for layer in self.cache.layers), oracle=oracle,
-                                                path=attention_path(keys.dtype, keys.device))
-        # design clt's rows: every slot kept, attention estimated by a fresh sample at each query
-        samplers = {r: [sel.sampler for sel in c] for r, c in enumerate(configurations)
-                    if c is not None and c and c[0].sampler is not None}
-        self.context = AttentionContext(self.cache, recorder=self.recorder,
-                                        oracle=state.cache if oracle and any_compressed else None, samplers=samplers)
+        self.context = decoding_context(state, configurations, reserve=suffix.shape[-1] + max_new_tokens,
+                                        certify=certify, oracle=oracle)
+        self.cache, self.recorder = self.context.cache, self.context.recorder
         self.randomized = randomized if randomized is not None else [
             c is not None and any(sel.has_tail for sel in c) for c in configurations
         ]

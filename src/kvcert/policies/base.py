@@ -91,13 +91,16 @@ POLICIES: dict[str, Callable[..., Policy]] = {}
 
 
 def register_policy(name: str):
-    """Class decorator adding a policy to the registry under ``name``."""
+    """Class decorator adding a policy to the registry under ``name``: a class whose instances (built with the
+    policy's options as keywords) have ``score(view, generator=None) -> (batch, kv_heads, n)``; what it does not
+    declare defaults to False (the ``needs_*`` flags: nothing more to collect at the prefill) and True
+    (``certain_top_slice``: the Poisson design keeps a top slice certain)."""
 
     def wrap(cls):
         cls.name = name
         if not hasattr(cls, "certain_top_slice"):
             cls.certain_top_slice = True
-        for need in ("needs_query_statistics", "needs_pre_rope_keys"):
+        for need in ("needs_accumulated_attention", "needs_query_statistics", "needs_pre_rope_keys"):
             if not hasattr(cls, need):
                 setattr(cls, need, False)
         POLICIES[name] = cls

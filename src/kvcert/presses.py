@@ -1,0 +1,295 @@
+"""kvcert as a press for stock ``model.generate``: compress the prompt at its prefill, decode with the Hájek offset,
+and leave a certificate summary per answer.
+
+```python
+press = kvcert.press(policy="snapkv", design="poisson", compression_ratio=0.5)
+with press(model):
+    out = model.generate(**inputs, max_new_tokens=32)
+press.certificate.max_rel_cert, press.certificate.exceeded   # the answer's certificate
+```
+
+How it hooks in, without replacing anything of the model's: inside the ``with`` the model's attention
+implementation is a kvcert attention function registered through ``transformers.AttentionInterface`` under a name
+of the press's own (as ``kvcert.attach`` does), and one forward pre-hook and one forward hook sit on the model.
+When ``generate`` (or any caller) starts a prompt, i.e. calls the model with an empty ``transformers.Cache``, the
+pre-hook hands the model a ``PressCache`` (a ``CompressedCache``) in its place; the prefill runs over the whole
+prompt (question-aware: the question is part of it) while kvcert attention records what the policy reads, and the
+forward hook then compresses the cache physically: the policy's scores, the allocator's counts, the design's
+retained sets (``kvcert.generation.configuration_selections``, the selections ``kvcert.generate`` makes), the kept
+slots gathered per KV head. ``generate`` keeps the cache the model returned, so every later step attends to the
+compressed cache with the −log π offset and, with ``certify``, hands its variance to the answer's
+``CertificateRecorder``. On exit the hooks are removed, the attention implementation is the one before, and the
+registered names are gone.
+
+One prompt per call: a batch of several rows (``num_return_sequences``, ``num_beams`` > 1, padded prompts) is
+refused in one line.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import pandas as pd
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+from transformers.masking_utils import AttentionMaskInterface
+
+from .allocators import ALLOCATORS, get_allocator
+from .attention import ATTENTION_NAME, padding_mask, register
+from .cache import CompressedCache
+from .context import AttentionContext
+from .designs import DESIGNS, DesignOptions
+from .generation import (RUN, Configuration, PrefillRecording, _footprint, _steps_frame, configuration_selections,
+                         decoding_context, generate)
+from .policies import get_policy, prefill_needs
+from .targets import TargetNotMetWarning, cap_binding_message, check_target
+
+_GENERATE_DEFAULTS = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
+PRESS_NAME = f"{ATTENTION_NAME}_press"  # the attention implementation a press registers starts with this
+DEFAULT_EPS = 0.1  # the relative certificate above which a step and layer is listed, unless the press says otherwise
+RESERVE = 256  # spare slots the compressed cache allocates for generated tokens (it doubles beyond them)
+_ALL_STEPS = 2**62  # no limit on the steps of an answer: generate feeds every token but the last
+
+
+class PressCache(CompressedCache):
+    """The cache a press hands to the model at a prompt's prefill: the prompt's slots, then, once the prefill has
+    run, only the retained ones (its layers are replaced by the compressed ones)."""
+
+
+@dataclass(frozen=True)
+class AnswerCertificate:
+    """The certificate of one answer generated under a press.
+
+    steps: one row per (step, layer, KV head) that attended to the compressed cache, the columns of
+    ``kvcert.generate``'s ``steps`` (``rel_cert`` = ε̂_δ/‖ô‖; NaN for a deterministic design); eps: the threshold of
+    ``exceeded``; retained_tokens: mean retained prompt slots per layer and KV head; context_tokens: the prompt's
+    length; cache_bytes / full_bytes / kept_bytes: as in ``kvcert.generate``'s result; target_choice: with a target,
+    the chosen expected sample size per layer and KV head (``kvcert.targets.CHOICE_COLUMNS``), else None.
+    """
+
+    steps: pd.DataFrame
+    eps: float
+    retained_tokens: float
+    context_tokens: int
+    cache_bytes: int
+    full_bytes: int
+    kept_bytes: int
+    target_choice: pd.DataFrame | None = None
+
+    @property
+    def n_steps(self) -> int:
+        """Decode steps that attended to the compressed cache (every generated token but the last)."""
+        return int(self.steps["step"].nunique()) if len(self.steps) else 0
+
+    @property
+    def max_rel_cert(self) -> float:
+        """The largest relative certificate over steps, layers and KV heads (NaN: no certificate)."""
+        values = self.steps["rel_cert"].to_numpy(dtype=float)
+        return float(np.nanmax(values)) if np.isfinite(values).any() else math.nan
+
+    @property
+    def mean_rel_cert(self) -> float:
+        """The mean relative certificate over steps, layers and KV heads (NaN: no certificate)."""
+        values = self.steps["rel_cert"].to_numpy(dtype=float)
+        return float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
+
+    def above(self, eps: float) -> pd.DataFrame:
+        """(step, layer, rel_cert): the steps and layers where some KV head's relative certificate exceeds
+        ``eps``, with the largest over the layer's heads; ordered by step, then layer."""
+        over = self.steps[self.steps["rel_cert"] > eps]
+        table = over.groupby(["step", "layer"], as_index=False)["rel_cert"].max()
+        return table.astype({"step": "int64", "layer": "int64"}).reset_index(drop=True)
+
+    @property
+    def exceeded(self) -> list[tuple[int, int]]:
+        """(step, layer) pairs where some KV head's relative certificate exceeds ``eps``."""
+        return list(self.above(self.eps)[["step", "layer"]].itertuples(index=False, name=None))
+
+
+@dataclass
+class Press:
+    """A kvcert configuration to apply to a model around stock ``model.generate``: ``with press(model): ...``.
+
+    policy: a registered scoring policy (``kvcert.POLICIES``, or one of ``kvcert.register_policy``); design:
+    ``poisson`` (certificate) or ``topk``; budget: the retained fraction of the prompt in (0, 1], or
+    compression_ratio = 1 − budget in [0, 1) (kvpress's), exactly one of them; seed: the Poisson draw (every
+    answer of the press draws with it; item_id derives it per item as the cell runner does); allocator /
+    allocator_options: slots per (layer, KV head) (``kvcert.ALLOCATORS``); policy_options: keyword options of
+    the policy; options: the design's certainty head and probability floor; observation_window: the last prompt
+    tokens whose queries score the cache; certify: compute the certificate at each step; oracle: also measure
+    the true error against the full cache (the prompt's uncompressed cache is kept); delta: the certificate's
+    level; target_error / target_delta / target_floor: a target relative error instead of a fixed budget (the
+    budget its cap; ``kvcert.targets``; the floor's default is ``kvcert.generate``'s); eps: the threshold of ``certificate.exceeded``.
+
+    After each answer, ``certificate`` is that answer's ``AnswerCertificate`` (None before the first).
+    """
+
+    policy: str = RUN.policies[0]
+    design: str = "poisson"
+    budget: float | None = None
+    compression_ratio: float | None = None
+    seed: int = 0
+    item_id: str | None = None
+    allocator: str = RUN.allocator
+    allocator_options: dict | None = None
+    policy_options: dict | None = None
+    options: DesignOptions = DesignOptions()
+    observation_window: int = RUN.observation_window
+    certify: bool = True
+    oracle: bool = False
+    delta: float = RUN.delta
+    target_error: float | None = None
+    target_delta: float | None = None
+    target_floor: float | str | None = _GENERATE_DEFAULTS["target_floor"]
+    eps: float = DEFAULT_EPS
+    _answer: tuple | None = field(default=None, init=False, repr=False)  # the last answer: (recorder, randomized, fields)
+
+    def __post_init__(self):
+        if (self.budget is None) == (self.compression_ratio is None):
+            given = "both" if self.budget is not None else "neither"
+            raise ValueError(f"kvcert.press: give exactly one of budget and compression_ratio (got {given})")
+        if self.compression_ratio is not None:
+            if not 0.0 <= self.compression_ratio < 1.0:
+                raise ValueError(f"kvcert.press: compression_ratio={self.compression_ratio!r} must lie in [0, 1)")
+            self.budget = 1.0 - float(self.compression_ratio)
+        elif not 0.0 < self.budget <= 1.0:
+            raise ValueError(f"kvcert.press: budget={self.budget!r} must lie in (0, 1]")
+        get_policy(self.policy, **(self.policy_options or {}).get(self.policy, {}))  # names the known ones
+        if self.design not in DESIGNS:
+            raise ValueError(f"kvcert.press: design={self.design!r} is unknown; known: {sorted(DESIGNS)}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"kvcert.press: allocator={self.allocator!r} is unknown; known: {sorted(ALLOCATORS)}")
+        get_allocator(self.allocator, **(self.allocator_options or {}))
+        target = check_target(self.design, self.target_error, self.target_delta, self.target_floor)
+        floor = None if target is None else (target.floor_at(self.budget) if hasattr(target, "floor_at")
+                                             else target.floor)
+        if floor is not None and floor > self.budget:
+            raise ValueError(f"kvcert.press: target_floor={floor:g} exceeds the cap budget={self.budget:g}")
+        if target is not None and self.allocator != "uniform":
+            raise ValueError(f"kvcert.press: allocator={self.allocator!r}: a target chooses each KV head's sample "
+                             "size itself; drop target_error or the allocator")
+        if not 0.0 < self.delta < 1.0:
+            raise ValueError(f"kvcert.press: delta={self.delta!r} must lie in (0, 1)")
+        self._target = target
+
+    @contextmanager
+    def __call__(self, model) -> Iterator:
+        """Inside the block, ``model`` (a transformers causal LM) compresses each prompt it generates from; on exit,
+        normal or by exception, it is as it was."""
+        previous = model.config._attn_implementation
+        if previous is not None and previous.startswith(PRESS_NAME):
+            raise RuntimeError("kvcert.press: a press is already applied to this model; nested presses are not "
+                               "supported (leave the outer with first)")
+        register()
+        run = _Run(self, model, AttentionInterface._global_mapping[ATTENTION_NAME])
+        name = f"{PRESS_NAME}_{id(run):x}"
+        AttentionInterface.register(name, run.attention)
+        AttentionMaskInterface.register(name, padding_mask)
+        handles = []
+        try:
+            model.set_attn_implementation(name)
+            handles.append(model.register_forward_pre_hook(run.before, with_kwargs=True))
+            handles.append(model.register_forward_hook(run.after, with_kwargs=True))
+            yield model
+        finally:
+            for handle in handles:
+                handle.remove()
+            model.set_attn_implementation(previous)
+            AttentionInterface._global_mapping.pop(name, None)
+            AttentionMaskInterface._global_mapping.pop(name, None)
+            run.context = run.recording = None
+
+    @property
+    def certificate(self) -> AnswerCertificate | None:
+        """The last answer's certificate (None before the first answer), built from its recorder when read (read
+        while the answer is generated, e.g. from a streamer, it holds the steps so far)."""
+        if self._answer is None:
+            return None
+        recorder, randomized, fields = self._answer
+        steps = _steps_frame(recorder, 0, self.delta, randomized, _ALL_STEPS)
+        return AnswerCertificate(steps=steps, eps=self.eps, **fields)
+
+    def _record(self, recorder, randomized: bool, fields: dict) -> None:
+        """A new answer has started: its recorder fills while it is generated."""
+        self._answer = (recorder, randomized, fields)
+
+
+def press(**kwargs) -> Press:
+    """A ``Press`` (see there): ``with kvcert.press(policy="snapkv", compression_ratio=0.5)(model):
+    model.generate(...)``."""
+    return Press(**kwargs)
+
+
+class _Run:
+    """One ``with press(model)``: the context the press's attention function attends with, and the hooks."""
+
+    def __init__(self, press: Press, model, function):
+        self.press, self.model, self.function = press, model, function
+        self.context: AttentionContext | None = None
+        self.recording: PrefillRecording | None = None
+        self.cache: PressCache | None = None
+
+    def attention(self, module, query, key, value, attention_mask, **kwargs):
+        """kvcert attention bound to this run's current context (none: the model attends as it normally would)."""
+        return self.function(module, query, key, value, attention_mask, bound_context=self.context, **kwargs)
+
+    def before(self, module, args, kwargs):
+        """At a prompt's prefill (an empty cache), hand the model a PressCache that records the prefill."""
+        key = "cache" if "cache" in kwargs else "past_key_values"
+        cache = kwargs.get(key)
+        if isinstance(cache, PressCache):
+            return None  # a decode step on a compressed cache
+        if not isinstance(cache, Cache):
+            self.context = None  # a forward without a cache: plain attention
+            return None
+        if cache.get_seq_length() != 0:
+            raise ValueError(f"kvcert.press: the call continues a cache of {cache.get_seq_length()} tokens; a press "
+                             "compresses a whole prompt at its prefill (pass no cache, or an empty one)")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            raise ValueError("kvcert.press: the prompt must come as input_ids (inputs_embeds are not supported)")
+        if ids.shape[0] != 1:
+            raise ValueError(f"kvcert.press: a batch of {ids.shape[0]} rows; a press compresses one prompt per call "
+                             "(num_return_sequences and num_beams must be 1, prompts unpadded)")
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all()):
+            raise ValueError("kvcert.press: the attention mask pads the prompt; give the prompt unpadded")
+        p = self.press
+        needs = prefill_needs([p.policy], p.policy_options)
+        self.recording = PrefillRecording.start(self.model, ids.shape[-1], observation_window=p.observation_window,
+                                                **needs)
+        self.cache = PressCache(list(self.recording.context.cache.layers))
+        self.context = self.recording.context
+        return args, {**kwargs, key: self.cache}
+
+    def after(self, module, args, kwargs, output):
+        """After a prefill: select the retained sets and compress the PressCache in place."""
+        if self.recording is None:
+            return None
+        recording, self.recording = self.recording, None
+        p = self.press
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        state = recording.finish(ids, ids[:, :0], output.logits[:, -1].float(), "question_aware", p.policy_options)
+        configuration = Configuration(p.policy, p.design, p.budget, p.seed)
+        selections, choice = configuration_selections(state, configuration, item_id=p.item_id, options=p.options,
+                                                      allocator=p.allocator, allocator_options=p.allocator_options,
+                                                      target=p._target)
+        self.context = decoding_context(state, [selections], reserve=RESERVE, certify=p.certify, oracle=p.oracle)
+        self.cache.layers = self.context.cache.layers  # generate holds this cache: it now holds the kept slots
+        if choice is not None and (message := cap_binding_message(choice, p._target, p.budget)):
+            warnings.warn(message, TargetNotMetWarning, stacklevel=2)
+        retained, cache_bytes, full_bytes, kept_bytes = _footprint(state, selections)
+        p._record(self.context.recorder, p.design == "poisson",
+                  {"retained_tokens": retained, "context_tokens": state.context_tokens, "cache_bytes": cache_bytes,
+                   "full_bytes": full_bytes, "kept_bytes": kept_bytes, "target_choice": choice})
+        return None
+
+
+__all__ = ["AnswerCertificate", "Press", "PressCache", "press"]
