@@ -267,3 +267,20 @@ def test_near_ties_follow_the_stated_tolerances():
     assert near_ties({**row, "decode_margin": 1.01 * DECODE_RTOL * 25}) == {}
     assert near_ties({**row, "decode_margin": 1.0, "draw_margin": 0.99 * DRAW_RTOL}) == {DRAW: 0.99 * DRAW_RTOL}
     assert near_ties({**row, "decode_margin": float("nan"), "draw_margin": 1.01 * DRAW_RTOL}) == {}
+
+
+@pytest.mark.smollm2
+@pytest.mark.cluster
+def test_verify_results_compares_the_cells_a_record_keeps(record, tmp_path, capsys):
+    """A record that keeps its cells' tables (a run on a cluster, say) is compared shard by shard, row by row."""
+    shard = Path("v5") / "cells" / "oracle-smollm2" / "shard-0"
+    rerun = _copy(record, tmp_path / "fresh" / shard)
+    keys = _plant_flip(rerun)  # EDITED TABLES, as above
+    committed = _copy(record, tmp_path / "committed" / shard)
+    assert not compare_results.compare_study_cells(tmp_path / "committed", tmp_path / "fresh", "v5")
+    assert "verify-results: cells: v5 oracle-smollm2/shard-0: DIFFERS" in capsys.readouterr().out
+    _plant_near_tie(committed, keys)
+    assert compare_results.compare_study_cells(tmp_path / "committed", tmp_path / "fresh", "v5")
+    out = capsys.readouterr().out
+    assert f"verify-results: cells: accepted v5 oracle-smollm2/shard-0 snapkv topk 0.25 seed 0 item {keys['item_id']}" in out
+    assert "1 shards agree row by row but for 1 near-tie flips (above)" in out
