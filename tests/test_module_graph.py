@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "kvcert"
 LAYERS = {
     "kvcert.errors": 0, "kvcert.run_schema": 0, "kvcert.table_columns": 0, "kvcert.atomic": 0, "kvcert.provenance": 0,
     "kvcert.gpu_slots": 0, "kvcert.seeding": 0,
+    "kvcert.campaign": 1,  # the code and packages a campaign started with (reads kvcert.provenance)
     "kvcert.hydra_app": 1, "kvcert.estimator": 1, "kvcert.sampling": 1, "kvcert.prompts": 1, "kvcert.kernels": 1,
     "kvcert.data": 1, "kvcert.peer_sampling": 1,
     "kvcert.model_record": 1,  # which files of a model directory loading reads, and their record

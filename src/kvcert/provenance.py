@@ -31,7 +31,8 @@ PACKAGE = Path(__file__).resolve().parent
 _NOT_CELL_CODE = ("analysis", "conf/claim")
 # ... and the scale files' reader, which decides which cells a scale runs and with which overrides: the workflow
 # reruns a cell when its overrides change (the cell rule's own parameters), not when the reader's code does.
-_NOT_NUMBERS = ("scales.py",)
+# The campaign record (which code a long run started with) decides no numbers either.
+_NOT_NUMBERS = ("scales.py", "campaign.py")
 _SKIP_DIRS = ("__pycache__",)
 _SKIP_SUFFIXES = (".pyc", ".pyo", ".so")
 # Versions that change numbers without a change of our code.

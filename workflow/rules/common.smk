@@ -24,7 +24,7 @@ def fail(message):
     raise SystemExit(1)
 
 
-CONFIG_KEYS = ("scale", "outdir", "figure_dir", "archive", "amendment")
+CONFIG_KEYS = ("scale", "outdir", "figure_dir", "archive", "amendment", "campaign")
 for _key in config:
     if _key not in CONFIG_KEYS:
         _close = difflib.get_close_matches(str(_key), CONFIG_KEYS, n=1)
@@ -71,6 +71,44 @@ ANALYSIS_FINGERPRINT = analysis_fingerprint(REPO)
 OUT = str(config.get("outdir", S["outdir"]))
 FIG = str(config.get("figure_dir", S["figure_dir"] if "outdir" not in config else f"{OUT}/figures"))
 MODELS = S["models"]
+
+# A campaign (a scale with `campaign: true`, or any outdir with --config campaign=start) records the code and the
+# packages it started with in <outdir>/campaign.json: at its first run that has jobs to do (onstart; a dry run
+# writes nothing), or at once with --config campaign=start. Every later command on that outdir (the record's
+# presence is enough), dry runs included, stops here with one line naming what changed (kvcert.campaign) when the
+# code or packages differ, instead of rerunning every cell; --config campaign=restart records the present as a
+# new start (earlier starts stay in the file). Only the controller checks: the jobs it submits are not checked.
+CAMPAIGN_MODES = ("start", "restart")
+CAMPAIGN_RECORD = f"{OUT}/campaign.json"
+_campaign = config.get("campaign")
+if _campaign is not None and str(_campaign) not in CAMPAIGN_MODES:
+    fail(f"--config campaign={_campaign}: unknown; known: {', '.join(CAMPAIGN_MODES)}")
+if not isinstance(S.get("campaign", False), bool):
+    fail(f"{_scale_file.name}: campaign={S['campaign']!r}: expected true or false")
+CAMPAIGN = bool(S.get("campaign") or _campaign is not None or Path(CAMPAIGN_RECORD).exists()) and workflow.is_main_process
+
+
+def ensure_campaign():
+    """Start, continue or (--config campaign=restart) restart the campaign of OUT; stops on a changed library."""
+    from kvcert.campaign import CampaignChanged, CampaignRecordError, ensure
+
+    try:
+        state = ensure(CAMPAIGN_RECORD, SCALE_NAME, restart=str(_campaign) == "restart")
+    except (CampaignChanged, CampaignRecordError) as err:
+        fail(str(err))
+    if state != "continued":
+        print(f"kvcert workflow: campaign {state}: {CAMPAIGN_RECORD}", file=sys.stderr)
+
+
+if CAMPAIGN and (_campaign is not None or Path(CAMPAIGN_RECORD).exists()):
+    ensure_campaign()
+
+
+onstart:
+    if CAMPAIGN and not Path(CAMPAIGN_RECORD).exists():
+        ensure_campaign()
+
+
 CLAIMS = ["c1", "c2", "c3", "c4", "c5", "c6", "c7"]
 # The pre-registered scale whose claim populations apply: the scale's `prereg_scale`, else the root of
 # its `base` chain (a derived scale is analysed with its base's populations).
