@@ -28,9 +28,10 @@ def download(name: str) -> Path:
 
     if HF_HUB_OFFLINE:
         return Path(snapshot_download(repo_id=name))
-    info = HfApi().model_info(name)
-    keep = loading_files(s.rfilename for s in info.siblings or [])
-    return Path(snapshot_download(repo_id=name, revision=info.sha, allow_patterns=keep))
+    keep = loading_files(s.rfilename for s in HfApi().model_info(name).siblings or [])
+    # at the default revision (no commit pinned here), so that refs/main is written and later offline loads by
+    # name find the snapshot
+    return Path(snapshot_download(repo_id=name, allow_patterns=keep))
 
 
 def safetensors_parameters(directory: Path) -> int:
