@@ -189,7 +189,17 @@ def plan_scale(name: str, root: Path, overhead: float = HOST_OVERHEAD_PER_LAYER_
         costs.append(CellCost(cell_name, model_key, str(run_cfg["data"].get("name")), config.setting,
                               int(cell["shards"]), config.n_items, max(p.n + p.suffix for _, p in prompts),
                               dtype, peak, seconds))
-    return {"scale": scale, "cells": costs, "jobs": plan_jobs(name, root), "architectures": configs, "overhead": overhead}
+    return {"scale": scale, "cells": costs, "jobs": plan_jobs(name, root), "architectures": configs,
+            "overhead": overhead, "measured": measured_plan(root / str(scale["outdir"]) / "pilot" / "plan.json", name)}
+
+
+def measured_plan(path: Path, name: str) -> dict[str, Any] | None:
+    """The measured plan kvcert-pilot wrote for scale ``name`` (its plan.json), or None where there is none."""
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return {**plan, "path": str(path)} if isinstance(plan, dict) and plan.get("scale") == name else None
 
 
 def _gb(x: float) -> str:
@@ -235,6 +245,21 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_measured(result: dict[str, Any]) -> str:
+    """One paragraph on the measured plan beside the model's, where kvcert-pilot wrote one for the scale."""
+    measured = result.get("measured")
+    lines = []
+    if measured:
+        total, device = measured["total"], measured["device"]
+        largest = max(measured["cells"].items(), key=lambda kv: kv[1]["gpu_memory_gb"])
+        lines.append("")
+        lines.append(f"measured (kvcert-pilot, {measured['path']}): on {device['name']} ({device['memory_gb']:.0f} GB), "
+                     f"{total['device_hours']:.1f} device-hours with safety factor {measured['safety']:g}; longest cell "
+                     f"job {total['longest_runtime_min']} min; most device memory {largest[1]['gpu_memory_gb']:.1f} GB "
+                     f"({largest[0]}); rule cell takes each cell's runtime and memory from it")
+    return "\n".join(lines)
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     fmt = lambda r: "  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
@@ -249,6 +274,7 @@ def as_json(result: dict[str, Any]) -> dict[str, Any]:
                    "seconds_per_item": c.seconds_per_item} for c in result["cells"]],
         "gpu_hours": {d.name: sum(c.seconds_per_item[d.name] * c.items for c in result["cells"]) / 3600
                       for d in devices(result["overhead"])},
+        **({"measured": result["measured"]} if result.get("measured") else {}),
     }
 
 
@@ -267,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ScaleError, LookupError, ValueError, OSError) as err:
         print(f"kvcert-plan: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
-    print(json.dumps(as_json(result), indent=2) if args.json else render(result))
+    print(json.dumps(as_json(result), indent=2) if args.json else render(result) + render_measured(result))
     return 0
 
 
