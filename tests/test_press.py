@@ -178,7 +178,7 @@ def test_bad_keywords_get_one_line(kwargs, message):
     assert "\n" not in str(caught.value)
 
 
-def test_a_nested_press_or_a_batch_is_refused_and_the_model_left_as_it_was():
+def test_a_nested_press_a_batch_or_no_cache_is_refused_and_the_model_left_as_it_was():
     _, model, _ = build("llama")
     ids = _ids()
     register()
@@ -197,6 +197,9 @@ def test_a_nested_press_or_a_batch_is_refused_and_the_model_left_as_it_was():
     with pytest.raises(ValueError, match="a batch of 2 rows"):
         with outer(model):
             _generate(model, ids, num_return_sequences=2, do_sample=True)
+    with pytest.raises(ValueError, match="use_cache=False: a press compresses the cache"):
+        with outer(model):
+            _generate(model, ids, use_cache=False)
     assert _snapshot(model) == before
 
 
@@ -219,6 +222,41 @@ def test_the_documented_custom_policy_runs():
         assert press.certificate.n_steps == STEPS - 1 and press.certificate.max_rel_cert > 0
     finally:
         kvcert.POLICIES.pop("value_norm", None)
+
+
+def test_several_questions_share_one_prefill_and_each_is_generates_streaming_answer():
+    """``Press.answer``: one prefill and one compression of the context, then each question; every answer (tokens,
+    step table with the question's positions) is ``kvcert.generate(setting="streaming")``'s for that question."""
+    from helpers.tiny_models import COMMON
+    from helpers.tokenizer import byte_level_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer)})).eval()
+    context = "the sky is blue. " * 30 + "the key is 4711. " + "grass is green. " * 30
+    questions = ["what is the key?", "what colour is the sky?"]
+    press = kvcert.press(policy="snapkv", design="poisson", compression_ratio=0.6, seed=5)
+    prefills = []
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: prefills.append(kwargs["input_ids"].shape),
+                                             with_kwargs=True)
+    try:
+        answers = press.answer(model, tokenizer, context=context, questions=questions, max_new_tokens=4)
+    finally:
+        handle.remove()
+    longest_question = max(len(tokenizer(q).input_ids) for q in questions)
+    assert [shape[-1] > longest_question for shape in prefills].count(True) == 1  # the context ran once
+    assert len(prefills) == 1 + 2 * 4  # then per question: the question, and the 3 tokens fed after it
+    for question, answer in zip(questions, answers):
+        expected = kvcert.generate(model, tokenizer, context=context, question=question, policy="snapkv",
+                                   design="poisson", budget=press.budget, seed=5, setting="streaming", oracle=False,
+                                   max_new_tokens=4)
+        assert answer.token_ids == expected.token_ids and answer.text == expected.text
+        pd.testing.assert_frame_equal(answer.certificate.steps, expected.steps)
+        assert answer.certificate.max_rel_cert > 0 and answer.certificate.cache_bytes == expected.cache_bytes
+    assert press.certificate.steps.equals(answers[-1].certificate.steps)
+    with pytest.raises(ValueError, match="questions must be a non-empty list"):
+        press.answer(model, tokenizer, context=context, questions="what is the key?")
 
 
 @pytest.fixture(scope="module")

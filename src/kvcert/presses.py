@@ -27,6 +27,7 @@ refused in one line.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import warnings
@@ -37,6 +38,7 @@ from typing import Iterator
 import numpy as np
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface
@@ -47,7 +49,8 @@ from .cache import CompressedCache
 from .context import AttentionContext
 from .designs import DESIGNS, DesignOptions
 from .generation import (RUN, Configuration, PrefillRecording, _footprint, _steps_frame, configuration_selections,
-                         decoding_context, generate)
+                         decode_batch, decoding_context, eos_ids, generate, prefill)
+from .prompts import build_prompt, model_limit
 from .policies import get_policy, prefill_needs
 from .targets import TargetNotMetWarning, cap_binding_message, check_target
 
@@ -126,7 +129,8 @@ class Press:
     tokens whose queries score the cache; certify: compute the certificate at each step; oracle: also measure
     the true error against the full cache (the prompt's uncompressed cache is kept); delta: the certificate's
     level; target_error / target_delta / target_floor: a target relative error instead of a fixed budget (the
-    budget its cap; ``kvcert.targets``; the floor's default is ``kvcert.generate``'s); eps: the threshold of ``certificate.exceeded``.
+    budget its cap; ``kvcert.targets``; the floor's default is ``kvcert.generate``'s); eps: the threshold of
+    ``certificate.exceeded``.
 
     After each answer, ``certificate`` is that answer's ``AnswerCertificate`` (None before the first).
     """
@@ -149,7 +153,7 @@ class Press:
     target_delta: float | None = None
     target_floor: float | str | None = _GENERATE_DEFAULTS["target_floor"]
     eps: float = DEFAULT_EPS
-    _answer: tuple | None = field(default=None, init=False, repr=False)  # the last answer: (recorder, randomized, fields)
+    _answer: tuple | None = field(default=None, init=False, repr=False)  # the last answer's (steps(), fields)
 
     def __post_init__(self):
         if (self.budget is None) == (self.compression_ratio is None):
@@ -212,13 +216,64 @@ class Press:
         while the answer is generated, e.g. from a streamer, it holds the steps so far)."""
         if self._answer is None:
             return None
-        recorder, randomized, fields = self._answer
-        steps = _steps_frame(recorder, 0, self.delta, randomized, _ALL_STEPS)
-        return AnswerCertificate(steps=steps, eps=self.eps, **fields)
+        steps, fields = self._answer
+        return AnswerCertificate(steps=steps(), eps=self.eps, **fields)
+
+    @torch.no_grad()
+    def answer(self, model, tokenizer, *, context: str, questions: list[str], answer_prefix: str = "",
+               max_new_tokens: int = 16) -> list[PressAnswer]:
+        """Several questions about one context, sharing one prefill and one compression (kvpress's pipeline with
+        ``questions=[...]``): the context alone is prefilled and compressed (question-agnostic: the ``streaming``
+        setting), then each question and its answer attend to the compressed context, greedily, one question at a
+        time from the same compressed cache. Returns one PressAnswer per question, in order; ``certificate`` is left
+        at the last question's. The prompts are built as ``kvcert.generate(setting="streaming")`` builds them, so each
+        answer is that call's for the same configuration."""
+        if isinstance(questions, str) or not questions:
+            raise ValueError("kvcert.press.answer: questions must be a non-empty list of strings")
+        limit = model_limit(model, None)
+        prompts = [build_prompt(tokenizer, context, q, answer_prefix, setting="streaming",
+                                max_new_tokens=max_new_tokens, limit=limit) for q in questions]
+        prefix = prompts[0].prefix_ids
+        for i, prompt in enumerate(prompts):
+            if not torch.equal(prompt.prefix_ids, prefix):
+                raise ValueError(f"kvcert.press.answer: question {i} leaves the context cut differently from question "
+                                 "0 (the prompt exceeds the model's window): shorten the context")
+        needs = prefill_needs([self.policy], self.policy_options)
+        state = prefill(model, prefix, None, setting="streaming", observation_window=self.observation_window,
+                        **needs, policy_options=self.policy_options)
+        selections, choice = configuration_selections(
+            state, Configuration(self.policy, self.design, self.budget, self.seed), item_id=self.item_id,
+            options=self.options, allocator=self.allocator, allocator_options=self.allocator_options,
+            target=self._target)
+        if choice is not None and (message := cap_binding_message(choice, self._target, self.budget)):
+            warnings.warn(message, TargetNotMetWarning, stacklevel=2)
+        retained, cache_bytes, full_bytes, kept_bytes = _footprint(state, selections)
+        fields = {"retained_tokens": retained, "context_tokens": state.context_tokens, "cache_bytes": cache_bytes,
+                  "full_bytes": full_bytes, "kept_bytes": kept_bytes, "target_choice": choice}
+        answers = []
+        for prompt in tqdm(prompts, desc="questions", unit="question", disable=len(prompts) < 2):
+            asked = dataclasses.replace(state, suffix_ids=prompt.suffix_ids.to(prefix.device))
+            decoded, = decode_batch(model, asked, [selections], max_new_tokens=max_new_tokens,
+                                    stop_ids=eos_ids(model, tokenizer), certify=self.certify, oracle=self.oracle,
+                                    delta=self.delta, randomized=[self.design == "poisson"])
+            self._answer = (lambda steps=decoded.steps: steps, fields)
+            answers.append(PressAnswer(tokenizer.decode(decoded.token_ids, skip_special_tokens=True),
+                                       decoded.token_ids, self.certificate))
+        return answers
 
     def _record(self, recorder, randomized: bool, fields: dict) -> None:
         """A new answer has started: its recorder fills while it is generated."""
-        self._answer = (recorder, randomized, fields)
+        self._answer = (lambda: _steps_frame(recorder, 0, self.delta, randomized, _ALL_STEPS), fields)
+
+
+@dataclass(frozen=True)
+class PressAnswer:
+    """One question's answer from ``Press.answer``: text, token_ids (the generated ids) and its certificate (the
+    question's tokens attend to the compressed context too, so its steps start with them)."""
+
+    text: str
+    token_ids: list[int]
+    certificate: AnswerCertificate
 
 
 def press(**kwargs) -> Press:
@@ -247,6 +302,9 @@ class _Run:
         if isinstance(cache, PressCache):
             return None  # a decode step on a compressed cache
         if not isinstance(cache, Cache):
+            if kwargs.get("use_cache") is False:
+                raise ValueError("kvcert.press: use_cache=False: a press compresses the cache, so generate must keep "
+                                 "one (leave use_cache on)")
             self.context = None  # a forward without a cache: plain attention
             return None
         if cache.get_seq_length() != 0:
@@ -292,4 +350,4 @@ class _Run:
         return None
 
 
-__all__ = ["AnswerCertificate", "Press", "PressCache", "press"]
+__all__ = ["AnswerCertificate", "Press", "PressAnswer", "PressCache", "press"]
