@@ -511,7 +511,8 @@ def test_generate_adds_the_calibrated_columns_and_refuses_another_models_file_be
     tokenizer = byte_level_tokenizer()
     model = _tiny_llama(len(tokenizer), seed=0)
     context, question = "the sky is blue. " * 30 + "the key is 4711. " + "grass is green. " * 30, "what is the key?"
-    args = dict(context=context, question=question, policy="snapkv", design="poisson", budget=0.3, max_new_tokens=4)
+    args = dict(context=context, question=question, policy="snapkv", design="poisson", budget=0.3, max_new_tokens=4,
+                oracle=True)
     plain = kvcert.generate(model, tokenizer, **args)
     designed = kvcert.generate(model, tokenizer, **args, calibration="design")
     pd.testing.assert_frame_equal(designed.steps[plain.steps.columns], plain.steps)

@@ -259,6 +259,37 @@ def test_several_questions_share_one_prefill_and_each_is_generates_streaming_ans
         press.answer(model, tokenizer, context=context, questions="what is the key?")
 
 
+def test_generate_serves_by_default_and_the_runner_passes_the_studys_settings():
+    """``kvcert.generate`` without oracle or max_new_tokens: no true error, the model's generation config's token
+    limit, the model's own dtype; the cell runner names oracle, certify, delta and max_new_tokens at its one decode
+    call, so no default of the library reaches a cell."""
+    import ast
+    import inspect
+
+    from helpers.tiny_models import COMMON
+    from helpers.tokenizer import byte_level_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import kvcert.runner.cell as cell
+
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer)})).eval().to(torch.bfloat16)
+    model.generation_config.max_new_tokens = 3
+    model.generation_config.eos_token_id = None
+    result = kvcert.generate(model, tokenizer, context="the sky is blue. " * 40, question="what colour is the sky?",
+                             policy="snapkv", design="poisson", budget=0.5)
+    assert len(result.token_ids) == 3
+    assert result.steps["true_err"].isna().all() and result.steps["cert"].notna().all()
+    assert model.dtype == torch.bfloat16 and result.attention_path["path"] == "pytorch"  # no float32 cast
+    defaults = inspect.signature(kvcert.generate).parameters
+    assert defaults["oracle"].default is False and defaults["max_new_tokens"].default is None
+    calls = [node for node in ast.walk(ast.parse(inspect.getsource(cell)))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "decode_configurations"]
+    assert len(calls) == 1
+    assert {"oracle", "certify", "delta", "max_new_tokens"} <= {k.arg for k in calls[0].keywords}
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     return kvcert.load_model("smollm2")

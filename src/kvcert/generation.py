@@ -569,6 +569,17 @@ def decode_configurations(
     return decoded
 
 
+DEFAULT_NEW_TOKENS = 16  # generate's answer length where neither the call nor the model's generation config sets one
+
+
+def new_token_limit(model, max_new_tokens: int | None) -> int:
+    """``max_new_tokens``, or (None) the model's ``generation_config.max_new_tokens``, else DEFAULT_NEW_TOKENS."""
+    if max_new_tokens is not None:
+        return int(max_new_tokens)
+    configured = getattr(getattr(model, "generation_config", None), "max_new_tokens", None)
+    return int(configured) if configured is not None else DEFAULT_NEW_TOKENS
+
+
 @dataclass
 class GenerationResult(Decoded):
     """``Decoded`` plus the prompt's token counts and the configuration that produced it."""
@@ -595,9 +606,9 @@ def generate(
     setting: str = RUN.setting,
     seed: int = RUN.seeds[0],
     item_id: str | None = None,
-    oracle: bool = RUN.oracle,
+    oracle: bool = False,
     certify: bool = RUN.certify,
-    max_new_tokens: int = 16,
+    max_new_tokens: int | None = None,
     delta: float = RUN.delta,
     observation_window: int = RUN.observation_window,
     options: DesignOptions = DesignOptions(),
@@ -632,7 +643,13 @@ def generate(
     miss ε even at the cap keep the cap, and a ``TargetNotMetWarning`` says how many; target_floor: what every KV
     head keeps at least, the target choosing only what it adds: ``"half_cap"`` (the default, half of ``budget``), a
     fraction of the prefix (at most ``budget``), or None (no floor).
+
+    Defaults serve, not study: no oracle unless ``oracle=True`` (the oracle keeps the full prefix and measures the
+    true error), the model as it is (its own dtype and device), and ``max_new_tokens=None`` takes the model's
+    ``generation_config.max_new_tokens`` (``DEFAULT_NEW_TOKENS`` where it sets none). The cell runner passes the
+    study's own values of each.
     """
+    max_new_tokens = new_token_limit(model, max_new_tokens)
     target = None if policy == FULL else check_target(design, target_error, target_delta, target_floor)
     floor = None if target is None else target.floor_at(budget)
     if floor is not None and floor > budget:

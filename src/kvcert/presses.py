@@ -49,7 +49,7 @@ from .cache import CompressedCache
 from .context import AttentionContext
 from .designs import DESIGNS, DesignOptions
 from .generation import (RUN, Configuration, PrefillRecording, _footprint, _steps_frame, configuration_selections,
-                         decode_batch, decoding_context, eos_ids, generate, prefill)
+                         decode_batch, decoding_context, eos_ids, generate, new_token_limit, prefill)
 from .prompts import build_prompt, model_limit
 from .policies import get_policy, prefill_needs
 from .targets import TargetNotMetWarning, cap_binding_message, check_target
@@ -221,15 +221,16 @@ class Press:
 
     @torch.no_grad()
     def answer(self, model, tokenizer, *, context: str, questions: list[str], answer_prefix: str = "",
-               max_new_tokens: int = 16) -> list[PressAnswer]:
+               max_new_tokens: int | None = None) -> list[PressAnswer]:
         """Several questions about one context, sharing one prefill and one compression (kvpress's pipeline with
         ``questions=[...]``): the context alone is prefilled and compressed (question-agnostic: the ``streaming``
         setting), then each question and its answer attend to the compressed context, greedily, one question at a
-        time from the same compressed cache. Returns one PressAnswer per question, in order; ``certificate`` is left
+        time from the same compressed cache (``max_new_tokens`` None: the model's generation config's). Returns one PressAnswer per question, in order; ``certificate`` is left
         at the last question's. The prompts are built as ``kvcert.generate(setting="streaming")`` builds them, so each
         answer is that call's for the same configuration."""
         if isinstance(questions, str) or not questions:
             raise ValueError("kvcert.press.answer: questions must be a non-empty list of strings")
+        max_new_tokens = new_token_limit(model, max_new_tokens)
         limit = model_limit(model, None)
         prompts = [build_prompt(tokenizer, context, q, answer_prefix, setting="streaming",
                                 max_new_tokens=max_new_tokens, limit=limit) for q in questions]
