@@ -148,3 +148,16 @@ def test_the_committed_paired_tables_are_their_summaries(paired, name, tmp_path)
     folder = ROOT / "results" / name / "certified-budgets"
     paired.main(folder / "summary.csv", "fixed poisson 0.5", tmp_path / "paired.csv")
     assert (tmp_path / "paired.csv").read_text() == (folder / "paired.csv").read_text()
+
+
+def test_the_items_a_noninferiority_check_needs(paired):
+    # by hand: z(0.95) = 1.6449, z(0.8) = 0.8416; (2.4865)² · 0.1 / 0.05² = 247.3 -> 248 items
+    assert paired.noninferiority_items(0.1, 0.05, 0.05, 0.8) == 248
+    # more discordance or a smaller margin needs more items, a looser level fewer
+    assert paired.noninferiority_items(0.2, 0.05, 0.05, 0.8) == 495
+    assert paired.noninferiority_items(0.1, 0.025, 0.05, 0.8) == 990
+    assert paired.noninferiority_items(0.1, 0.05, 0.1, 0.8) < 248
+    with pytest.raises(ValueError, match=r"^margin=0: must lie in \(0, 1\)$"):
+        paired.noninferiority_items(0.1, 0, 0.05, 0.8)
+    with pytest.raises(ValueError, match=r"^power=0.3: must lie in \(0.5, 1\)$"):
+        paired.noninferiority_items(0.1, 0.05, 0.05, 0.3)

@@ -15,10 +15,11 @@ accuracies fix only b − c, the items the target lost (``lost``). So per model 
 """
 
 # No `from __future__` import: Snakemake runs this file through `script:`, which puts its own preamble first.
+import math
 from pathlib import Path
 
 import pandas as pd
-from scipy.stats import binomtest
+from scipy.stats import binomtest, norm
 
 from kvcert.atomic import write_text_atomic
 
@@ -58,6 +59,19 @@ def paired_table(summary: pd.DataFrame, fixed: str, source: str = "summary.csv")
     if not rows:
         raise ValueError(f"{source}: no target configuration")
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def noninferiority_items(discordance: float, margin: float, alpha: float, power: float) -> int:
+    """Items a future check needs (docs/studies/certified-budgets.md, "The rule for future held-out checks"): the
+    smallest n at which a one-sided level-``alpha`` paired test of "the fixed budget's accuracy minus the target's
+    is below ``margin``" (both as shares of the items) has power ``power`` when the two are equal and answer
+    differently on a share ``discordance`` of the items. To first order (the difference's variance is
+    discordance / n when the two are equal): n = (z(1 − alpha) + z(power))² · discordance / margin²."""
+    for name, value, low, high in (("discordance", discordance, 0, 1), ("margin", margin, 0, 1),
+                                   ("alpha", alpha, 0, 0.5), ("power", power, 0.5, 1)):
+        if not (isinstance(value, (int, float)) and low < value < high):
+            raise ValueError(f"{name}={value!r}: must lie in ({low}, {high})")
+    return math.ceil((norm.ppf(1 - alpha) + norm.ppf(power)) ** 2 * discordance / margin ** 2)
 
 
 def main(summary: Path, fixed: str, out: Path) -> None:
