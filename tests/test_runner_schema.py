@@ -42,7 +42,7 @@ def test_a_cell_is_identified_by_the_knobs_that_change_what_it_computes():
     # and the keys added since, which a cell's config.yaml and identity leave out at their default (an allocator,
     # a target): cells without them keep the identity above
     assert set(run_schema.ELIDED_AT_DEFAULT) == {"allocator", "allocator_options", "target_error", "target_delta",
-                                                 "target_floor", "decisions"}
+                                                 "target_floor", "decisions", "chat_template"}
     assert set(run_schema.IDENTITY_KEYS) == before | set(run_schema.ELIDED_AT_DEFAULT)
     assert set(run_schema.KEYS) - set(run_schema.IDENTITY_KEYS) == {"out_dir", "progress", "threads",
                                                                "check_calibration_prompts"}

@@ -615,6 +615,7 @@ def generate(
     policy_options: dict | None = None,
     max_context_tokens: int | None = RUN.max_context_tokens,
     truncate: str = RUN.truncate,
+    chat_template: bool = RUN.chat_template,
     calibration=None,
     allocator: str = RUN.allocator,
     allocator_options: dict | None = None,
@@ -626,8 +627,9 @@ def generate(
 
     The prompt is built as the cell runner builds it (``kvcert.prompts.build_prompt``: ``answer_prefix``
     opens the answer, a prompt longer than the model's window or ``max_context_tokens`` is cut in the
-    middle of its context), so that for the same item and configuration ``generate`` returns the
-    prediction ``kvcert-run`` records. policy/design: registered names (``policy="full"`` keeps the whole
+    middle of its context; ``chat_template=True`` frames it with the tokenizer's chat template as kvpress
+    does: the context opens a user turn, the question closes it, the assistant's turn follows), so that for the
+    same item and configuration ``generate`` returns the prediction ``kvcert-run`` records. policy/design: registered names (``policy="full"`` keeps the whole
     cache); budget: retained fraction of the prefix in (0, 1]; setting: ``question_aware`` (compress
     after context + question) or ``streaming`` (compress the context; question and answer attend to the
     compressed cache); seed: the Poisson draw, derived per item as the runner does when ``item_id`` is
@@ -657,7 +659,7 @@ def generate(
                          "the cap")
     prompt = build_prompt(tokenizer, context, question, answer_prefix, setting=setting,
                           max_new_tokens=max_new_tokens, limit=model_limit(model, max_context_tokens),
-                          truncate=truncate)
+                          truncate=truncate, chat_template=chat_template)
     full = policy == FULL
     get_allocator(allocator, **(allocator_options or {}))  # a bad name or option is refused before the prefill
     if target is not None and allocator != "uniform":

@@ -137,6 +137,10 @@ class RunConfig:
     max_context_tokens: Optional[int] = knob(None, "prompt limit in tokens; null: the model's max_position_embeddings",
                                              low=8)
     truncate: str = knob("middle", "middle: cut the middle of the context to fit | error: refuse", known=True)
+    chat_template: bool = knob(False, "frame the prompt with the tokenizer's chat template, as kvpress does: the context "
+                               "opens a user turn, the question closes it, the assistant's turn follows (streaming "
+                               "compresses the framed context alone); a model without a template is refused",
+                               elided_at_default=True)
     threads: Optional[int] = knob(None, "torch CPU threads; null: torch's default", low=1, identity=False)
     progress: bool = knob(True, "progress bar with ETA on stderr", identity=False)
     out_dir: str = knob(MISSING, "where items.parquet, steps.parquet, config.yaml, manifest.json go",

@@ -30,7 +30,7 @@ from ..generation import FULL, Prefill, decode_configurations, eos_ids, prefill
 from ..kernels import attention_path
 from ..models import ModelSpec, load_model, model_fingerprint
 from ..policies import prefill_needs
-from ..prompts import PromptIds, build_prompt, model_limit
+from ..prompts import PromptIds, build_prompt, has_chat_template, model_limit
 from ..provenance import code_fingerprint, sha256_file, short
 from ..table_columns import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS, SHARE_COLUMNS
 from ..targets import CHOICE_COLUMNS
@@ -43,7 +43,7 @@ from .tables import ITEM_COLUMNS, empty_step_table, logprob_summary, summarize_s
 PARTS = ".parts"
 
 
-def item_prompt(tokenizer, item: Item, setting: str, limit: int, truncate: str) -> PromptIds:
+def item_prompt(tokenizer, item: Item, setting: str, limit: int, truncate: str, chat_template: bool = False) -> PromptIds:
     """The token ids of one item (``kvcert.prompts.build_prompt``, as ``kvcert.generate`` builds them)."""
     if not item.context or not item.context.strip():
         raise ConfigError(f"item {item.id!r}: empty context")
@@ -51,7 +51,7 @@ def item_prompt(tokenizer, item: Item, setting: str, limit: int, truncate: str) 
         raise ConfigError(f"item {item.id!r}: no reference answers")
     return build_prompt(tokenizer, item.context, item.question, item.answer_prefix, setting=setting,
                         max_new_tokens=int(item.max_new_tokens), limit=limit, truncate=truncate,
-                        name=f"item {item.id!r}")
+                        name=f"item {item.id!r}", chat_template=chat_template)
 
 
 def _identity(cfg: Mapping[str, Any], items: list[Item], fingerprint: str) -> dict:
@@ -189,6 +189,10 @@ def _run_cell(cell: CellConfig, out_dir: Path, wall: float) -> Path:
     timings["load_model"] = time.perf_counter() - start
     if spec.kind == "hf":  # its model record is checked now: a mismatch is refused before any item runs
         model_fingerprint(spec)
+    if cell.chat_template and not has_chat_template(tokenizer):  # refused before the workload is built
+        raise ConfigError(f"chat_template=true: the tokenizer of model={spec.kind}"
+                          f"{f' ({spec.name or spec.path})' if spec.name or spec.path else ''} has no chat template; "
+                          "set chat_template=false")
     if cell.calibration is not None:  # a file of another model or design is refused before anything is written
         prepare_calibration(cell.calibration, model=model, setting=cell.setting,
                             configurations=[(c.policy, c.design, c.budget) for c in cell.configurations() if not c.is_full],
@@ -204,7 +208,7 @@ def _run_cell(cell: CellConfig, out_dir: Path, wall: float) -> Path:
         cell.calibration.check_prompts((item.id, item.task) for item in shard)
     limit = model_limit(model, cell.max_context_tokens)
     # Every item's prompt is tokenized (and so checked) before anything is written.
-    prompts = [item_prompt(tokenizer, item, cell.setting, limit, cell.truncate) for item in shard]
+    prompts = [item_prompt(tokenizer, item, cell.setting, limit, cell.truncate, cell.chat_template) for item in shard]
 
     parts = out_dir / PARTS
     identity = _identity(cell.resolved, items, code_fingerprint())
