@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from helpers.tiny_models import build, prompt
+from helpers.tiny_models import ARCHS, build, prompt
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -81,6 +81,23 @@ def test_the_press_under_stock_generate_is_kvcerts_decode(policy, design, alloca
     else:
         assert cert.steps["rel_cert"].isna().all() and cert.exceeded == []
     assert (cert.target_choice is not None) == (target_error is not None)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+def test_every_tiny_architecture_agrees(arch):
+    """Sliding-window layers (Mistral, Qwen2, Gemma3), one KV head, fused projections, partial rotary: the press
+    under stock generate still gives kvcert's decode, tokens and step table."""
+    _, model, _ = build(arch)
+    ids = _ids()
+    press = kvcert.press(policy="snapkv", design="poisson", compression_ratio=0.6, seed=7)
+    with press(model):
+        tokens = _generate(model, ids)
+    expected, = decode_configurations(model, kvcert.prefill(model, ids),
+                                      [Configuration("snapkv", "poisson", press.budget, 7)], max_new_tokens=STEPS,
+                                      stop_ids=set())
+    assert tokens == expected.token_ids
+    pd.testing.assert_frame_equal(press.certificate.steps, expected.steps)
+    assert press.certificate.cache_bytes < press.certificate.full_bytes
 
 
 def test_the_cache_generate_holds_is_physically_compressed():
