@@ -328,7 +328,8 @@ def stage_wheels(lock: Path, requirements: list[str], out: Path, pip_args: list[
         locked = {re.split(r"[=<>;\[ ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
         backend = [b for b in BUILD_BACKEND if re.split(r"[=<>]", b)[0] not in locked]
         if backend:
-            commands.append([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(tmp), *pip_args, *backend])
+            # with their dependencies (wheel needs packaging): pip's isolated build installs them with --no-index
+            commands.append([sys.executable, "-m", "pip", "download", "-d", str(tmp), *pip_args, *backend])
         for command in commands:
             print(f"kvcert-stage: {' '.join(command[1:])}", file=sys.stderr)
             proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
