@@ -156,8 +156,10 @@ def test_the_command_refuses_a_small_card_and_writes_nothing(tmp_path, monkeypat
     plan and refusal, so no model runs): a card too small ends on one line naming the cell, and no plan appears;
     a card that fits writes the three files, whose numbers follow the measurements. In this process: the command's
     main, as its console script calls it."""
-    from kvcert.provenance import code_fingerprint
+    import kvcert.provenance
 
+    # the code's fingerprint held fixed: a checkout edited while the test runs must not make it measure again
+    monkeypatch.setattr(kvcert.provenance, "code_fingerprint", lambda: "fingerprint-of-the-planted-runs")
     root, out = tmp_path / "root", tmp_path / "out"
     _tiny_scale(root, {"llama": str(tmp_path / "no-such-model")}, out)
     scale, kinds = dp.scale_kinds("tiny", root)
@@ -170,7 +172,7 @@ def test_the_command_refuses_a_small_card_and_writes_nothing(tmp_path, monkeypat
             "item_seconds": [2.0 + i, 1.0 + i], "wall_seconds": {"load_model": 3.0, "load_data": 0.5, "write": 0.2},
             "device": "cuda:0", "dtype": "bfloat16", "device_name": "Test GPU", "device_memory_gb": 24.0,
             "peak_rss_gb": 5.0, "peak_memory_gb": 10.0 + 5 * i, "memory_measure": "cuda_max_memory_allocated",
-            "code_fingerprint": code_fingerprint(), "overrides": overrides}))
+            "code_fingerprint": "fingerprint-of-the-planted-runs", "overrides": overrides}))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
 
@@ -178,6 +180,9 @@ def test_the_command_refuses_a_small_card_and_writes_nothing(tmp_path, monkeypat
         code = dp.main(["scale=tiny", "--root", str(root), "--reuse", *map(str, args)])
         return code, capsys.readouterr().err
 
+    code, err = pilot("--cells", "tiny/*")  # a part of the scale: measured, never planned
+    assert code == 0 and "plan the whole scale with kvcert-pilot scale=tiny --reuse" in err, err[-2000:]
+    assert "kvcert-pilot: extra/knorm" not in err and not (out / "pilot").exists()
     code, err = pilot()
     assert code == 1, err[-2000:]
     last = err.strip().splitlines()[-1]

@@ -27,6 +27,10 @@ From that table it writes a plan, per cell and in total (``safety`` is the state
   for every cell, since a SLURM group runs several cells, chosen by Snakemake, on one GPU;
 * host memory (MB) = the larger of the scale's ``resources.cell.mem_mb`` and peak RSS x ``memory_factor``.
 
+``--reuse`` takes the kinds already measured in the scratch folder (same overrides, same code) instead of running
+them again: a pilot that was stopped resumes, and ``--cells`` splits the measuring over several nodes (each writes
+only its kinds' measurements; a last run with ``--reuse`` plans the whole scale).
+
 A cell that needs more device memory than the card (``--gpu-memory-gb``, default the device's own) is refused:
 one line naming the cell, what it needs and what the card has, exit 1, and nothing written. Otherwise
 ``<out>/pilot.csv`` (one row per cell kind), ``<out>/plan.json`` (what the workflow reads: rule ``cell`` takes
@@ -492,7 +496,7 @@ def read_plan(path: str | Path, scale_name: str, cells: list[str]) -> dict[str, 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> Path:
+def run(args: argparse.Namespace) -> Path | None:
     from tqdm.auto import tqdm
 
     name = args.scale.split("=", 1)[1] if args.scale.startswith("scale=") else args.scale
@@ -519,6 +523,8 @@ def run(args: argparse.Namespace) -> Path:
         bar.write(f"kvcert-pilot: {key}: {m.seconds_per_item:.3f} s/item (first {m.first_item_s:.2f} s), "
                   f"load {m.load_model_s:.1f} s, peak {m.peak_memory_gb:.2f} GB on {m.device}", file=sys.stderr)
     bar.close()
+    if args.cells:  # a part of the scale: its measurements stay in the scratch folder for a later --reuse
+        return None
     first = next(iter(measured.values()))
     card = args.gpu_memory_gb if args.gpu_memory_gb is not None else first.device_memory_gb
     host = int(((scale.get("resources") or {}).get("cell") or {}).get("mem_mb", 0))
@@ -552,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-features", default=None,
                         help="card GB=SLURM feature, comma-separated (e.g. 40=a100_40g,80=a100_80g|h100_80g): "
                              "each cell's constraint names every class that holds it")
-    parser.add_argument("--cells", default=None, help="only these cells (comma-separated globs of <study>/<cell>)")
+    parser.add_argument("--cells", default=None,
+                        help="measure only these cells (comma-separated globs of <study>/<cell>), e.g. on several "
+                             "nodes at once; no plan is written: plan the scale afterwards with --reuse")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default <scale outdir>/pilot)")
     parser.add_argument("--longbench", type=Path, default=None,
                         help="local LongBench copy for hub-reading cells (default <scale outdir>/data/longbench)")
@@ -570,6 +578,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         print(f"kvcert-pilot: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
+    if out is None:
+        print(f"kvcert-pilot: measured the cells of --cells {args.cells}; plan the whole scale with "
+              f"kvcert-pilot {args.scale} --reuse (it measures only the kinds not measured yet)", file=sys.stderr)
+        return 0
     print(f"kvcert-pilot: wrote {out}/pilot.csv, {out}/plan.json and {out}/plan.md", file=sys.stderr)
     print((out / "plan.md").read_text())
     return 0
