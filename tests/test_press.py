@@ -276,6 +276,43 @@ def test_several_questions_share_one_prefill_and_each_is_generates_streaming_ans
         press.answer(model, tokenizer, context=context, questions="what is the key?")
 
 
+def test_the_pipeline_task_answers_as_press_answer():
+    """``pipeline("kvcert-text-generation")`` after ``register_pipeline()``: the answers and certificates of
+    ``Press.answer``; a pipeline without a press, or with an unknown keyword, is refused in one line."""
+    from helpers.tiny_models import COMMON
+    from helpers.tokenizer import byte_level_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, pipeline
+    from transformers.pipelines import PIPELINE_REGISTRY
+
+    from kvcert.presses import PIPELINE_TASK, PressPipeline, register_pipeline
+
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer)})).eval()
+    registered = PIPELINE_TASK in PIPELINE_REGISTRY.supported_tasks
+    register_pipeline()
+    try:
+        pipe = pipeline(PIPELINE_TASK, model=model, tokenizer=tokenizer)
+        assert isinstance(pipe, PressPipeline)
+        context = "the sky is blue. " * 30 + "the key is 4711. " + "grass is green. " * 30
+        questions = ["what is the key?", "what colour is the sky?"]
+        press = kvcert.press(policy="snapkv", compression_ratio=0.6, seed=5)
+        out = pipe(context, questions=questions, press=press, max_new_tokens=3)
+        expected = press.answer(model, tokenizer, context=context, questions=questions, max_new_tokens=3)
+        assert out["answers"] == [a.text for a in expected]
+        for got, want in zip(out["certificates"], expected):
+            pd.testing.assert_frame_equal(got.steps, want.certificate.steps)
+        single = pipe(context, question=questions[0], press=press, max_new_tokens=3)
+        assert single["answer"] == expected[0].text
+        with pytest.raises(ValueError, match="give press=kvcert.press"):
+            pipe(context, question=questions[0])
+        with pytest.raises(ValueError, match=r"unknown keywords \['temperature'\]"):
+            pipe(context, question=questions[0], press=press, temperature=0.5)
+    finally:
+        if not registered:
+            PIPELINE_REGISTRY.supported_tasks.pop(PIPELINE_TASK, None)
+
+
 def test_generate_serves_by_default_and_the_runner_passes_the_studys_settings():
     """``kvcert.generate`` without oracle or max_new_tokens: no true error, the model's generation config's token
     limit, the model's own dtype; the cell runner names oracle, certify, delta and max_new_tokens at its one decode

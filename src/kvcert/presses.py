@@ -39,9 +39,10 @@ import numpy as np
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
-from transformers import AttentionInterface
+from transformers import AttentionInterface, AutoModelForCausalLM, Pipeline
 from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface
+from transformers.pipelines import PIPELINE_REGISTRY
 
 from .allocators import ALLOCATORS, get_allocator
 from .attention import ATTENTION_NAME, padding_mask, register
@@ -277,6 +278,57 @@ class PressAnswer:
     certificate: AnswerCertificate
 
 
+PIPELINE_TASK = "kvcert-text-generation"
+
+
+class PressPipeline(Pipeline):
+    """A transformers pipeline for questions about one document under a press (kvpress's
+    ``kv-press-text-generation``): ``pipe(document, questions=[...], press=press)`` or ``question="..."``; keywords
+    ``answer_prefix`` and ``max_new_tokens``. Returns ``{"answers": [...], "certificates": [...]}`` for questions,
+    ``{"answer": ..., "certificate": ...}`` for one question (``Press.answer``: one prefill and one compression of the
+    document). Build it as ``PressPipeline(model=model, tokenizer=tokenizer)``, or by name once
+    ``register_pipeline()`` has run."""
+
+    def _sanitize_parameters(self, press=None, questions=None, question=None, answer_prefix=None, max_new_tokens=None,
+                             **unknown):
+        if unknown:
+            raise ValueError(f"{PIPELINE_TASK}: unknown keywords {sorted(unknown)}; known: press, questions, question, "
+                             "answer_prefix, max_new_tokens")
+        given = {"press": press, "questions": questions, "question": question, "answer_prefix": answer_prefix,
+                 "max_new_tokens": max_new_tokens}
+        return {}, {k: v for k, v in given.items() if v is not None}, {}
+
+    def preprocess(self, context, **_):
+        if not isinstance(context, str):
+            raise ValueError(f"{PIPELINE_TASK}: the document must be a string; got {type(context).__name__}")
+        return {"context": context}
+
+    def _forward(self, model_inputs, press: Press | None = None, questions=None, question=None, answer_prefix="",
+                 max_new_tokens=None):
+        if not isinstance(press, Press):
+            raise ValueError(f"{PIPELINE_TASK}: give press=kvcert.press(...); got {press!r}")
+        if (questions is None) == (question is None):
+            raise ValueError(f"{PIPELINE_TASK}: give exactly one of questions and question")
+        answers = press.answer(self.model, self.tokenizer, context=model_inputs["context"],
+                               questions=[question] if question is not None else questions,
+                               answer_prefix=answer_prefix, max_new_tokens=max_new_tokens)
+        return {"answers": answers, "single": question is not None}
+
+    def postprocess(self, model_outputs, **_):
+        answers = model_outputs["answers"]
+        if model_outputs["single"]:
+            return {"answer": answers[0].text, "certificate": answers[0].certificate}
+        return {"answers": [a.text for a in answers], "certificates": [a.certificate for a in answers]}
+
+
+def register_pipeline() -> None:
+    """Make ``transformers.pipeline("kvcert-text-generation", model=..., tokenizer=...)`` build a PressPipeline
+    (once per process; nothing is registered on import)."""
+    if PIPELINE_TASK not in PIPELINE_REGISTRY.supported_tasks:
+        PIPELINE_REGISTRY.register_pipeline(PIPELINE_TASK, pipeline_class=PressPipeline,
+                                            pt_model=AutoModelForCausalLM)
+
+
 def press(**kwargs) -> Press:
     """A ``Press`` (see there): ``with kvcert.press(policy="snapkv", compression_ratio=0.5)(model):
     model.generate(...)``."""
@@ -351,4 +403,5 @@ class _Run:
         return None
 
 
-__all__ = ["AnswerCertificate", "Press", "PressAnswer", "PressCache", "press"]
+__all__ = ["PIPELINE_TASK", "AnswerCertificate", "Press", "PressAnswer", "PressCache", "PressPipeline", "press",
+           "register_pipeline"]
