@@ -98,6 +98,12 @@ test: install model peers
 test-cluster: install model
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m cluster --durations=10
 
+## kvcert.press under stock model.generate (docs/library.md): its agreement with kvcert's own decode on the tiny
+## architectures and with kvcert.generate on SmolLM2, the model restored after the with, the bad inputs refused.
+.PHONY: test-press
+test-press: install model
+	$(BIN)/python -m pytest -q tests/test_press.py --durations=5
+
 ## The calibrated certificate's held-out check alone (kvcert-calibrate on 20 prompts, kvcert-run on 20 others;
 ## 3 CPU-minutes, measured 8.5 minutes on 2 cores shared with other work; also part of `make test`).
 test-heldout: install model
