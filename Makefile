@@ -256,7 +256,7 @@ verify: install
 ## The cluster scripts' own tests (pytest -m slurm), then the smoke DAG through a real one-node SLURM
 ## cluster on 127.0.0.1 (up -> run -> checks -> down). Its claims.csv must equal the local smoke run's.
 test-slurm: smoke
-	$(BIN)/python -m pytest -q -m slurm tests/test_slurm_cluster.py
+	$(BIN)/python -m pytest -q -m slurm tests/test_slurm_cluster.py tests/test_slurm_preemption.py
 	PATH="$(abspath $(BIN)):$$PATH" KVCERT_SLURM_REFERENCE_CLAIMS=$(abspath results/smoke/claims.csv) \
 	  KVCERT_SLURM_CONFIG="scale=smoke" KVCERT_SLURM_CLAIMS=results/smoke/claims.csv KVCERT_SLURM_SNAKEFILE=$(abspath Snakefile) \
 	  bash workflow/slurm/test-slurm.sh
@@ -303,6 +303,13 @@ slurm-up:
 	bash workflow/slurm/cluster-up.sh
 slurm-down:
 	bash workflow/slurm/cluster-down.sh
+
+## Start a campaign of a scale now (scales with campaign: true, e.g. paper, start at their first run anyway): records
+## the code fingerprint and the installed packages in <outdir>/campaign.json; a later snakemake command on that
+## outdir with other code or packages stops, naming the change. make campaign-start SCALE=paper [OUTDIR=dir]
+.PHONY: campaign-start
+campaign-start: install
+	$(SNAKEMAKE) --list-rules --config scale=$(SCALE) $(if $(OUTDIR),outdir=$(OUTDIR)) campaign=start > /dev/null
 
 clean-smoke:
 	rm -rf results/smoke results/smoke-slurm
