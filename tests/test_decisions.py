@@ -84,10 +84,10 @@ def test_decisions_leave_items_and_steps_byte_identical(record, tmp_path):
     poisson = decisions["design"] == "poisson"
     assert decisions.loc[poisson, "draw_margin"].between(0, 1).all()
     assert decisions.loc[~poisson, "draw_margin"].isna().all()
-    assert (decisions.loc[decisions["policy"] == "full", "selection_sha256"] == "").all()
-    # the two draws of an item retained different sets; top-k's differs from both
+    assert (decisions.loc[decisions["policy"] == "full", "draws_sha256"] == "").all()
+    # the two draws of an item kept different samples; nothing else draws (digest "")
     for _, group in decisions[decisions["policy"] != "full"].groupby("item_id"):
-        assert group["selection_sha256"].nunique() == 3
+        assert group["draws_sha256"].nunique() == 3
 
 
 @pytest.mark.smollm2
@@ -116,7 +116,7 @@ def test_another_policy_under_snapkvs_name_fails(record, tmp_path, monkeypatch):
                         lambda name, **options: original("knorm") if name == "snapkv" else original(name, **options))
     diffs, _ = compare_results.compare_cells(record, _run(tmp_path / "bug"))
     assert any(" topk " in d for d in diffs), diffs  # top-k has no draw margin to hide behind
-    assert any("retained set changed" in d or "answer changed" in d or "cert_mean" in d for d in diffs), diffs
+    assert any("sample (what the draws kept) changed" in d or "answer changed" in d or "cert_mean" in d for d in diffs), diffs
 
 
 def _copy(cell: Path, to: Path) -> Path:
@@ -187,7 +187,7 @@ def _decisions(correct: list[list[bool]], decode=1.0, draw=0.5, digest="a") -> p
                          "seed": seed, "setting": "question_aware", "allocator": "uniform", "head_fraction": 0.8,
                          "model": "smollm2", "task": "niah", "correct": right, "decode_margin": decode,
                          "decode_margin_step": 0, "decided_token": 1, "runner_up_token": 2, "decided_logit": 30.0,
-                         "draw_margin": draw, "selection_sha256": digest})
+                         "draw_margin": draw, "draws_sha256": digest})
     return pd.DataFrame(rows, columns=DECISION_COLUMNS)
 
 
@@ -251,7 +251,7 @@ def test_with_the_records_decisions_each_flip_is_checked_by_the_record(tmp_path,
     ok, out = _compare(_study(tmp_path / "wide", 55.5556, _decisions(RIGHT)),
                        _study(tmp_path / "rerun2", 66.6667, _decisions(FLIPPED, decode=1e-3)), capsys)
     assert not ok
-    # a draw near-tie counts only where the rerun retained another set
+    # a draw near-tie counts only where the rerun's draws kept another set
     drawn = _decisions(RIGHT)
     drawn.loc[4, "draw_margin"] = DRAW_RTOL / 2
     for digest, passes in (("a", False), ("b", True)):
@@ -284,3 +284,56 @@ def test_verify_results_compares_the_cells_a_record_keeps(record, tmp_path, caps
     out = capsys.readouterr().out
     assert f"verify-results: cells: accepted v5 oracle-smollm2/shard-0 snapkv topk 0.25 seed 0 item {keys['item_id']}" in out
     assert "1 shards agree row by row but for 1 near-tie flips (above)" in out
+
+
+# --- the recording itself, on tiny random-weight models (no download) -------------------------------------------
+
+
+@pytest.mark.parametrize("arch, setting, allocator", [("llama", "question_aware", "uniform"),
+                                                      ("gemma3", "streaming", "adakv")])
+def test_the_decodes_own_draws_and_logits_are_what_decided(arch, setting, allocator):
+    """The draw records of one decode, split per configuration (the cell's fast path), equal the selections made
+    again (the slow path); the decode margin is the full cache's smallest top-two logit gap, from stock logits."""
+    from helpers.tiny_models import build, prompt
+
+    from kvcert.generation import Configuration, decode_configurations
+    from kvcert.runner.decisions import LogitTops, draw_record, split_draws
+    from kvcert.sampling import recording_draws
+
+    reference, model, _ = build(arch)
+    context, question = prompt(2, n_context=120)
+    if setting == "question_aware":
+        state = kvcert_prefill(model, torch.cat([context, question], -1), setting=setting)
+    else:
+        state = kvcert_prefill(model, context, question, setting=setting)
+    group = [Configuration("full", "full", 1.0, 0), Configuration("snapkv", "topk", 0.5, 0),
+             Configuration("snapkv", "poisson", 0.5, 0), Configuration("snapkv", "poisson", 0.5, 1)]
+    tops = LogitTops(model)
+    initial = state.last_logits if state.suffix_ids.shape[-1] == 0 else None
+    with tops.recording(initial), recording_draws() as draws:
+        decoded = decode_configurations(model, state, group, item_id="x", max_new_tokens=5, allocator=allocator)
+    fast = split_draws(draws, group, len(state.cache.layers))
+    slow = [draw_record(state, conf, item_id="x", allocator=allocator) for conf in group]
+    assert fast is not None and fast[0] == fast[1] == (pytest.approx(float("nan"), nan_ok=True), "")
+    assert fast[2:] == slow[2:] and fast[2][1] != fast[3][1]  # two seeds, two samples
+    assert split_draws(draws[:-1], group, len(state.cache.layers)) is None  # records that do not add up
+
+    # the full cache's tokens are stock greedy: its margin is the stock logits' smallest top-two gap
+    ids = torch.cat([context, question], -1)
+    with torch.no_grad():
+        logits = reference(input_ids=ids).logits[0, -1]
+        gaps = []
+        for token in decoded[0].token_ids:
+            top = torch.topk(logits, 2).values
+            gaps.append(float(top[0] - top[1]))
+            ids = torch.cat([ids, torch.tensor([[token]])], -1)
+            logits = reference(input_ids=ids).logits[0, -1]
+    margin = tops.decode_margin(0, decoded[0].token_ids)
+    assert margin["decode_margin"] == pytest.approx(min(gaps), abs=1e-4)
+    assert margin["decode_margin_step"] == int(np.argmin(gaps))
+
+
+def kvcert_prefill(*args, **kwargs):
+    import kvcert
+
+    return kvcert.prefill(*args, **kwargs)

@@ -7,6 +7,7 @@ capped at 1 and floored at ``pi_min``, scaled so that Σπ over the row equals t
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Iterator
@@ -142,14 +143,17 @@ def poisson_sample(pi: torch.Tensor, generator: torch.Generator | None = None) -
     u = torch.rand(pi.shape, generator=generator_or_seeded_zero(generator, pi.device), device=pi.device,
                    dtype=torch.float64)
     pi = pi.to(torch.float64)
-    margins = _DRAW_MARGINS.get()
-    if margins is not None:  # only inside ``recording_draw_margins``; the draw itself is the same either way
-        margins.append(draw_margin(u, pi))
-    return u < pi
+    keep = u < pi
+    records = _DRAW_RECORDS.get()
+    if records is not None:  # only inside ``recording_draws``; the draw itself is the same either way
+        kept = hashlib.sha256(keep.cpu().numpy().tobytes()).hexdigest()
+        records.append((draw_margin(u, pi), kept))
+    return keep
 
 
-# The draw margins of the poisson_sample calls made inside ``recording_draw_margins`` (None: not recording).
-_DRAW_MARGINS: ContextVar[list | None] = ContextVar("draw_margins", default=None)
+# (draw margin, digest of the kept mask) of each poisson_sample call made inside ``recording_draws`` (None: not
+# recording).
+_DRAW_RECORDS: ContextVar[list | None] = ContextVar("draw_records", default=None)
 
 
 def draw_margin(u: torch.Tensor, pi: torch.Tensor) -> float:
@@ -166,11 +170,12 @@ def draw_margin(u: torch.Tensor, pi: torch.Tensor) -> float:
 
 
 @contextmanager
-def recording_draw_margins() -> Iterator[list[float]]:
-    """Collect ``draw_margin`` of every ``poisson_sample`` call made inside (one float per call, in call order)."""
-    token = _DRAW_MARGINS.set([])
+def recording_draws() -> Iterator[list[tuple[float, str]]]:
+    """Collect, for every ``poisson_sample`` call made inside, in call order, (``draw_margin``, the sha256 of
+    the kept mask's bytes): how close the sample came to another outcome, and which one it was."""
+    token = _DRAW_RECORDS.set([])
     try:
-        yield _DRAW_MARGINS.get()
+        yield _DRAW_RECORDS.get()
     finally:
-        _DRAW_MARGINS.reset(token)
+        _DRAW_RECORDS.reset(token)
 

@@ -51,12 +51,12 @@ SHARE_COLUMNS = ["head_fraction"]
 # ``decisions.parquet`` (kvcert.runner.decisions): one row per item × configuration, what decided its answer: the
 # decode margin (smallest gap, over the generated steps, between the chosen token's logit and the runner-up's; its
 # step, both tokens and the chosen logit), the draw margin (smallest |u − π| / π over the Poisson draws; NaN where
-# nothing was drawn) and a digest of the retained set. A separate table, so that items.parquet and steps.parquet
+# nothing was drawn) and a digest of what the draws kept. A separate table, so that items.parquet and steps.parquet
 # stay as they were; a row's configuration is named in full (allocator and certain-head share always).
 DECISION_COLUMNS = [
     "item_id", "policy", "design", "budget", "seed", "setting", "allocator", "head_fraction", "model", "task",
     "correct", "decode_margin", "decode_margin_step", "decided_token", "runner_up_token", "decided_logit",
-    "draw_margin", "selection_sha256",
+    "draw_margin", "draws_sha256",
 ]
 DECISION_FLOAT32 = ["decode_margin", "decided_logit"]
 DECISION_INT32 = ["decode_margin_step", "decided_token", "runner_up_token"]

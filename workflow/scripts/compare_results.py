@@ -26,13 +26,13 @@ test's platform rule (tests/test_workflow.py):
 
 Near-ties. Across CPU models an answer decided by a hair can be decided the other way. Each cell shard of a run
 since decision margins were recorded has ``decisions.parquet`` (kvcert.runner.decisions: per item and
-configuration the decode margin, the draw margin and a digest of the retained set; committed records predate it).
+configuration the decode margin, the draw margin and a digest of what its draws kept; committed records predate it).
 Off the record's platform an accuracy that differs passes only when its change is made of whole flipped answers
 (one draw of an item moves its row by 1/(n · draws of the item)) each at a near-tie (kvcert.runner.decisions's
 DECODE_RTOL, DRAW_RTOL):
 
 - the record has decisions.parquet: the flipped draws are those whose ``correct`` differs; each must be a near-tie
-  by the record's margins: its decode margin, or its draw margin where the rerun retained another set; the record's
+  by the record's margins: its decode margin, or its draw margin where the rerun's draws kept another set; the record's
   and the rerun's decisions must reproduce both accuracies;
 - the record predates them: near-ties per the rerun's own decisions; the change must be a sum of flips of
   near-tie draws (a draw the rerun got right may have been wrong in the record, and the reverse), the fewest
@@ -316,7 +316,7 @@ def explain_accuracy(committed: Path, fresh: Path, record: dict, rerun: dict) ->
 
 def _flips_per_record(study: str, theirs: pd.DataFrame, ours: pd.DataFrame, record: dict) -> list[str] | None:
     """Exact: the draws whose answer changed, each a near-tie by the record's margins (a draw margin counts only
-    where the rerun retained another set)."""
+    where the rerun's draws kept another set)."""
     if _accuracy(theirs) != round(float(record["accuracy"]), 4):
         return None
     keys = ["cell", "item_id", "policy", "design", "budget", "seed", "allocator", "head_fraction"]
@@ -326,7 +326,7 @@ def _flips_per_record(study: str, theirs: pd.DataFrame, ours: pd.DataFrame, reco
     lines = []
     for _, row in both[both["correct"] != both["correct_rerun"]].iterrows():
         ties = near_ties(row)
-        if row["selection_sha256"] == row["selection_sha256_rerun"]:
+        if row["draws_sha256"] == row["draws_sha256_rerun"]:
             ties.pop(DRAW, None)  # the same tokens retained: the draws did not decide this
         if not ties:
             return None
@@ -368,8 +368,8 @@ def _flips_per_rerun(study: str, ours: pd.DataFrame, before: float, after: float
 def compare_cells(record: Path, rerun: Path, label: str = "") -> tuple[list[str], list[str]]:
     """(differences, accepted flips) of two runs of one cell shard, row by row of items.parquet: the same rows;
     an answer (prediction or correct) that changed must be a near-tie by the record's decisions.parquet (the
-    rerun's where the record has none): its decode margin, or its draw margin where the retained set changed;
-    a retained set that changed must be a draw near-tie; the other numbers within ITEM_RTOL (log-probabilities
+    rerun's where the record has none): its decode margin, or its draw margin where the draws kept another set;
+    draws that kept another set must be a draw near-tie; the other numbers within ITEM_RTOL (log-probabilities
     LOGPROB_ATOL)."""
     def load(folder: Path, name: str) -> pd.DataFrame | None:
         path = folder / name
@@ -393,7 +393,7 @@ def compare_cells(record: Path, rerun: Path, label: str = "") -> tuple[list[str]
         return [f"{label}items.parquet: {int((both['_merge'] != 'both').sum())} rows in one run only"], []
     dkeys = ["item_id", "policy", "design", "budget", "seed"]
     margins = margins.set_index(dkeys)
-    digests = dec_b.set_index(dkeys)["selection_sha256"]
+    digests = dec_b.set_index(dkeys)["draws_sha256"]
     diffs, accepted = [], []
     floats = [c for c in items_a.columns if c not in keys and pd.api.types.is_float_dtype(items_a[c])]
     for _, row in both.iterrows():
@@ -403,14 +403,14 @@ def compare_cells(record: Path, rerun: Path, label: str = "") -> tuple[list[str]
         if isinstance(decided, pd.DataFrame):
             decided = decided.iloc[0]
         moved = (dec_a is not None and decided is not None and key in digests.index
-                 and decided["selection_sha256"] != digests.loc[key])
+                 and decided["draws_sha256"] != digests.loc[key])
         ties = near_ties(decided) if decided is not None else {}
         if not moved and dec_a is not None:
             ties.pop(DRAW, None)  # the same tokens retained: the draws did not decide it
         changed = row["prediction"] != row["prediction_rerun"] or row["correct"] != row["correct_rerun"]
         if changed or moved:
             if not ties:
-                what = "answer" if changed else "retained set"
+                what = "answer" if changed else "sample (what the draws kept)"
                 diffs.append(f"{name}: {what} changed ({row['prediction']!r} -> {row['prediction_rerun']!r}, correct "
                              f"{row['correct']} -> {row['correct_rerun']}) with no near-tie (decode margin "
                              f"{_margin(decided, 'decode_margin')}, draw margin {_margin(decided, 'draw_margin')})")

@@ -32,10 +32,11 @@ from ..models import ModelSpec, load_model, model_fingerprint
 from ..policies import prefill_needs
 from ..prompts import PromptIds, build_prompt, has_chat_template, model_limit
 from ..provenance import code_fingerprint, sha256_file, short
+from ..sampling import recording_draws
 from ..table_columns import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS, SHARE_COLUMNS
 from ..targets import CHOICE_COLUMNS
 from .config import CellConfig, Configuration, plain_config, validate
-from .decisions import LogitTops, decision_frame, draw_record
+from .decisions import LogitTops, decision_frame, draw_record, split_draws
 from .manifest import build_manifest
 from .shard_lock import shard_lock
 from .tables import ITEM_COLUMNS, empty_step_table, logprob_summary, summarize_steps, tag_steps
@@ -121,13 +122,16 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
     initial = state.last_logits if state.suffix_ids.shape[-1] == 0 else None
     for group in batches(cell.configurations()):
         start = time.perf_counter()
-        with tops.recording(initial) if decisions is not None else nullcontext():
+        recording = decisions is not None
+        observing = tops.recording(initial) if recording else nullcontext()
+        with observing, recording_draws() if recording else nullcontext() as draws:
             decoded_group = decode_configurations(
                 model, state, group, item_id=item.id, max_new_tokens=max_new, stop_ids=stop, certify=cell.certify,
                 oracle=cell.oracle, delta=cell.delta, options=cell.options, allocator=cell.allocator,
                 allocator_options=cell.allocator_options, target=cell.target, calibration=cell.calibration,
             )
         timings["decode"] += time.perf_counter() - start
+        drawn = split_draws(draws, group, len(state.cache.layers)) if recording else None
         for row, (conf, decoded) in enumerate(zip(group, decoded_group)):
             prediction = tokenizer.decode(decoded.token_ids, skip_special_tokens=True)
             score = float(score_item(item, prediction))
@@ -151,13 +155,13 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
                 rows[-1].update(kept_bytes=decoded.kept_bytes)
             rows[-1].update(configuration)
             if decisions is not None:
-                margin, digest = draw_record(state, conf, item_id=item.id, options=cell.options,
-                                             allocator=cell.allocator, allocator_options=cell.allocator_options,
-                                             target=cell.target, calibration=cell.calibration)
+                margin, digest = drawn[row] if drawn is not None else draw_record(
+                    state, conf, item_id=item.id, options=cell.options, allocator=cell.allocator,
+                    allocator_options=cell.allocator_options, target=cell.target, calibration=cell.calibration)
                 decisions.append({**keys, "allocator": cell.allocator, "head_fraction": float(cell.options.head_fraction),
                                   "model": meta["model"], "task": item.task, "correct": rows[-1]["correct"],
                                   **tops.decode_margin(row, decoded.token_ids), "draw_margin": margin,
-                                  "selection_sha256": digest})
+                                  "draws_sha256": digest})
             if len(stored) and cell.store_steps:
                 steps.append(stored.assign(**configuration) if configuration else stored)
     step_frame = pd.concat(steps, ignore_index=True) if steps else empty_step_table()
@@ -298,12 +302,12 @@ def _run_items(cell: CellConfig, spec, model, tokenizer, items, shard, prompts, 
         start = time.perf_counter()
         if choices is not None:  # a target cell's per-item record of the chosen sizes
             write_parquet_atomic(_choice_frame(choices), parts / f"{index:06d}.targets.parquet")
+        if decisions is not None:  # what decided each answer (kvcert.runner.decisions)
+            write_parquet_atomic(decision_frame(decisions), parts / f"{index:06d}.decisions.parquet")
         write_parquet_atomic(step_rows, parts / f"{index:06d}.steps.parquet")
         write_parquet_atomic(item_rows, parts / f"{index:06d}.items.parquet")  # written last: the commit
         timings["write"] += time.perf_counter() - start
         bar.update(1)
-        if decisions is not None:  # what decided each answer (kvcert.runner.decisions)
-            write_parquet_atomic(decision_frame(decisions), parts / f"{index:06d}.decisions.parquet")
     bar.close()
 
     start = time.perf_counter()
@@ -319,14 +323,14 @@ def _run_items(cell: CellConfig, spec, model, tokenizer, items, shard, prompts, 
         outputs["targets.parquet"] = out_dir / "targets.parquet"
         write_parquet_atomic(pd.concat([pd.read_parquet(parts / f"{i:06d}.targets.parquet") for i in range(len(shard))],
                                        ignore_index=True), outputs["targets.parquet"])
-    write_parquet_atomic(steps_frame, outputs["steps.parquet"])
-    write_parquet_atomic(items_frame, outputs["items.parquet"])
-    write_text_atomic(config_yaml(cell.resolved), outputs["config.yaml"])
-    timings["write"] += time.perf_counter() - start
     if cell.decisions:
         outputs["decisions.parquet"] = out_dir / "decisions.parquet"
         write_parquet_atomic(pd.concat([pd.read_parquet(parts / f"{i:06d}.decisions.parquet") for i in range(len(shard))],
                                        ignore_index=True), outputs["decisions.parquet"])
+    write_parquet_atomic(steps_frame, outputs["steps.parquet"])
+    write_parquet_atomic(items_frame, outputs["items.parquet"])
+    write_text_atomic(config_yaml(cell.resolved), outputs["config.yaml"])
+    timings["write"] += time.perf_counter() - start
     timings["total"] = time.perf_counter() - wall
     parameter = next(model.parameters())
     certified = (cell.certify or cell.oracle) and any(not c.is_full for c in cell.configurations())

@@ -9,8 +9,8 @@ decided the other way. Each row records how close its answer came to another out
 - the draw margin (design poisson): over the item's Poisson inclusion decisions, the smallest |u − π| / π of a
   uniform draw u against its inclusion probability π (``kvcert.sampling.draw_margin``); NaN where nothing was
   drawn (the full cache, top-k, and design clt, which draws at decode time);
-- a digest of the retained set (every layer's retained positions per KV head), so that two runs can tell whether
-  they attended to the same tokens.
+- a digest of the Poisson draws' outcome (every layer's kept mask), so that two runs can tell whether they
+  sampled the same tokens ("" where nothing was drawn).
 
 ``near_tie`` says whether a row's margins are within what another CPU's rounding can move (the tolerances below);
 ``workflow/scripts/compare_results.py`` accepts a changed answer across numeric platforms only at such a row.
@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 
 from ..generation import Configuration, Prefill, configuration_selections
-from ..sampling import recording_draw_margins
+from ..sampling import recording_draws
 from ..table_columns import DECISION_COLUMNS, DECISION_FLOAT32, DECISION_INT32
 
 # Float32 logits of one model computed on two CPU models (another vector width, another kernel build) differ by
@@ -106,22 +106,42 @@ def _tops(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top.values.cpu(), top.indices.cpu()
 
 
+def draw_summary(records: list[tuple[float, str]]) -> tuple[float, str]:
+    """(draw margin, retained-set digest) of one configuration from its ``kvcert.sampling.recording_draws`` records
+    (one per layer): the smallest margin (NaN where nothing was sampled) and a sha256 over the layers' kept masks
+    ("" where nothing was drawn: the full cache, top-k, design clt)."""
+    if not records:
+        return math.nan, ""
+    finite = [margin for margin, _ in records if math.isfinite(margin)]
+    digest = hashlib.sha256("".join(kept for _, kept in records).encode()).hexdigest()
+    return (min(finite) if finite else math.nan), digest
+
+
+def split_draws(records: list[tuple[float, str]], configurations: list[Configuration], n_layers: int
+                ) -> list[tuple[float, str]] | None:
+    """The draw records of one ``decode_configurations`` call, split per configuration: every Poisson
+    configuration's selection draws once per layer, in the configurations' order, and no other design draws
+    through ``poisson_sample``. None where the records do not add up to that (then ``draw_record`` redraws)."""
+    drawing = [conf.design == "poisson" and not conf.is_full for conf in configurations]
+    if len(records) != sum(drawing) * n_layers:
+        return None
+    out, at = [], 0
+    for draws in drawing:
+        out.append(draw_summary(records[at:at + n_layers]) if draws else (math.nan, ""))
+        at += n_layers if draws else 0
+    return out
+
+
 def draw_record(state: Prefill, conf: Configuration, **selection_options) -> tuple[float, str]:
-    """(draw margin, retained-set digest) of one configuration: its selections made again as
-    ``kvcert.generation.configuration_selections`` made them for the decode (same seed, same draws), the draws
-    recorded. Draw margin NaN where nothing was sampled; digest "" for the full cache."""
+    """(draw margin, retained-set digest) of one configuration, its selections made again as
+    ``kvcert.generation.configuration_selections`` made them for the decode (same seed, same draws): the slow
+    path, where ``split_draws`` cannot attribute the decode's own records."""
     if conf.is_full:
         return math.nan, ""
-    with recording_draw_margins() as margins, warnings.catch_warnings():
+    with recording_draws() as records, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # whatever the selection warns about was said during the decode
-        selections, _ = configuration_selections(state, conf, **selection_options)
-    digest = hashlib.sha256()
-    for selection in selections or []:
-        index = torch.where(torch.isfinite(selection.log_pi), selection.index, -1)
-        digest.update(np.ascontiguousarray(index.cpu().numpy().astype(np.int64)).tobytes())
-        digest.update(b"|")
-    finite = [m for m in margins if math.isfinite(m)]
-    return (min(finite) if finite else math.nan), digest.hexdigest()
+        configuration_selections(state, conf, **selection_options)
+    return draw_summary(records)
 
 
 def decision_frame(rows: list[dict]) -> pd.DataFrame:
@@ -146,4 +166,4 @@ def near_ties(row) -> dict[str, float]:
 
 
 __all__ = ["DECODE", "DECODE_RTOL", "DRAW", "DRAW_RTOL", "LOGIT_RTOL", "LogitTops", "decision_frame", "draw_record",
-           "near_ties"]
+           "draw_summary", "near_ties", "split_draws"]
