@@ -388,7 +388,9 @@ def modelled(scale: Mapping[str, Any], kinds: Mapping[str, Mapping[str, Any]], d
                         "seconds_per_item": sum(w * item_seconds(arch, p, dtype, plan, device)["total"]
                                                 for w, p in prompts),
                         "peak_gb": max(peak_bytes(arch, p, dtype, plan)["total"] for _, p in prompts) / GB}
-        except Exception:  # noqa: BLE001 - a model the cost model cannot read: the measurement stands alone
+        except Exception as err:  # noqa: BLE001 - a model the cost model cannot read: the measurement stands alone
+            print(f"kvcert-pilot: no cost model for {key} ({type(err).__name__}: {' '.join(str(err).split())[:200]})",
+                  file=sys.stderr)
             continue
     return out
 
