@@ -368,3 +368,17 @@ def test_gemma3_the_pretrained_model_has_no_template_and_is_refused():
     prompt = build_prompt(tok, CONTEXT, QUESTION, PREFIX, setting="streaming")
     assert ids(prompt) == (tok(CONTEXT, add_special_tokens=True).input_ids,
                            tok(QUESTION + PREFIX, add_special_tokens=False).input_ids)
+
+
+@pytest.mark.smollm2
+def test_the_rehearsal_stand_ins_keep_smollm2s_template(tmp_path):
+    """The rehearse scale runs the paper scale's cells, chat_template=true included, on stand-ins that carry the
+    bundled SmolLM2's tokenizer (kvcert.standins): its template survives their save and reload."""
+    from kvcert.standins import build_model
+
+    tok = kvcert.load_tokenizer("smollm2")
+    path = build_model("qwen3", tmp_path / "qwen3", tok, layers=1, kv_heads=1, head_dim=8)
+    saved = kvcert.load_tokenizer(f"hf:{path}")
+    assert chat_frame(saved) == chat_frame(tok)
+    prompt = build_prompt(saved, CONTEXT, QUESTION, PREFIX, setting="streaming", chat_template=True)
+    assert ids(prompt) == ids(build_prompt(tok, CONTEXT, QUESTION, PREFIX, setting="streaming", chat_template=True))

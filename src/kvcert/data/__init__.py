@@ -3,7 +3,8 @@
 Every workload yields :class:`Item` objects. The contract with the runner:
 
 - the model reads ``item.context`` followed by ``item.question + item.answer_prefix``, encoded by
-  ``kvcert.prompts.build_prompt`` (the context with the tokenizer's special tokens, the rest without);
+  ``kvcert.prompts.build_prompt`` (the context with the tokenizer's special tokens, the rest without; or,
+  with ``chat_template=true``, framed by the tokenizer's chat template);
 - ``context`` is the part that may be compressed before the question is known (the
   streaming / question-agnostic setting): the document or haystack, preceded by any
   template preamble (instructions that come before the document);

@@ -11,7 +11,9 @@ class Item:
     """One prompt with its references.
 
     The model reads ``context``, then ``question + answer_prefix`` (``kvcert.prompts.build_prompt`` encodes
-    the two parts separately, the context with the tokenizer's special tokens):
+    the two parts separately, the context with the tokenizer's special tokens; with ``chat_template=true`` the
+    tokenizer's chat template frames them, context and question in one user turn, the answer prefix opening
+    the assistant's):
     ``context`` is the part a streaming run compresses before the question is known;
     ``question`` and ``answer_prefix`` arrive afterwards and are never compressed.
     ``answer_prefix`` is text that opens the model's answer (RULER's "The pass key is"):
