@@ -104,6 +104,19 @@ test-cluster: install model
 test-press: install model
 	$(BIN)/python -m pytest -q tests/test_press.py --durations=5
 
+## The prompt option chat_template (tests/test_chat_template.py): token ids off as before and on framed by the
+## template, the refusal of a model without one, the cell's identity, the paper scale's cells. Gemma 3's refusal
+## needs Gemma 3 fetched: make test-long.
+.PHONY: test-chat-template
+test-chat-template: install model
+	$(BIN)/python -m pytest -q tests/test_chat_template.py -m "not long" --durations=5
+
+## Exploratory: the bundled models' full-cache accuracy with and without their chat template
+## (benchmarks/chat_template_probe.py, benchmarks/README.md); writes results/exploratory/chat-template/accuracy.csv.
+.PHONY: chat-template-probe
+chat-template-probe: install model
+	$(BIN)/python benchmarks/chat_template_probe.py
+
 ## The calibrated certificate's held-out check alone (kvcert-calibrate on 20 prompts, kvcert-run on 20 others;
 ## 3 CPU-minutes, measured 8.5 minutes on 2 cores shared with other work; also part of `make test`).
 test-heldout: install model
