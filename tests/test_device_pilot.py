@@ -305,3 +305,20 @@ def test_pilot_measures_every_cell_kind_of_a_scale_on_stand_ins(tmp_path):
     assert last.startswith("kvcert-pilot: error: cell tiny/llama-ruler-question_aware needs ")
     assert "the card has 1.0 GB" in last
     assert {p.name: p.read_bytes() for p in (out / "pilot").iterdir()} == before
+
+
+def test_a_longbench_cell_without_its_local_copy_is_refused_before_running(tmp_path):
+    from kvcert.scales import load_scale
+
+    scale, kinds = dp.scale_kinds("paper", ROOT)
+    kind = kinds["paper/qwen7b-longbench6k-question_aware"]
+    with pytest.raises(dp.PilotError, match=r"reads LongBench from the hub: no local copy at .*snakemake --cores 1 "
+                                            r"--config scale=paper results/paper/data/longbench"):
+        dp.pilot_overrides(kind, scale, 2, tmp_path / "cell", tmp_path / "missing")
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "narrativeqa.jsonl").write_text("{}\n")
+    overrides = dp.pilot_overrides(kind, scale, 3, tmp_path / "cell", tmp_path / "copy")
+    assert overrides[-6:] == [f"data.path={tmp_path / 'copy'}", "n_items=3", "shard=0", "n_shards=1", "threads=4",
+                              f"out_dir={tmp_path / 'cell'}"]
+    model = load_scale("paper", ROOT / "workflow" / "scales")["models"]["qwen7b"]
+    assert overrides[:-6] == kind["overrides"] and kind["overrides"][:len(model)] == model  # the cell's own

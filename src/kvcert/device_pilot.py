@@ -247,10 +247,12 @@ def pilot_overrides(kind: Mapping[str, Any], scale: Mapping[str, Any], items: in
     if values.get("data") == "longbench" and values.get("data.path") is None:
         if not (longbench.is_dir() and any(longbench.iterdir())):
             raise PilotError(f"cell {kind['study']}/{kind['cell']} reads LongBench from the hub: no local copy at "
-                             f"{longbench} (fetch it first: kvcert-fetch-longbench, or pass --longbench DIR)")
+                             f"{longbench} (fetch it where the network is: snakemake --cores 1 --config "
+                             f"scale={scale.get('name', '?')} {scale.get('outdir', '<outdir>')}/data/longbench; "
+                             "or pass --longbench DIR)")
         overrides.append(f"data.path={longbench}")
-    return [*overrides, f"n_items={items}", "shard=0", "n_shards=1", f"threads={int(scale.get('threads_per_cell', 1))}",
-            f"out_dir={out_dir}"]
+    threads = int(scale.get("threads_per_cell", 1))
+    return [*overrides, f"n_items={items}", "shard=0", "n_shards=1", f"threads={threads}", f"out_dir={out_dir}"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
