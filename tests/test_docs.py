@@ -82,7 +82,7 @@ def test_readme_is_short_and_keeps_ci_test_command():
 RENDERED = [README, *sorted(STUDY_DOCS.glob("*.md"))]
 # A number a reader may meet outside a rendered span: one inside a name (Gemma 3, Llama 3.1, arXiv's id and the
 # year of the paper, the Python version), which is no datum.
-NAMES = ("Gemma 3", "Llama 3.1", "Llama-3.1", "2607.21475", "2026", "Python ≥ 3.10")
+NAMES = ("Gemma 3", "Llama 3.1", "Llama-3.1", "2607.21475", "2026", "Python ≥ 3.10", "Python 3.11")
 NUMBER = re.compile(r"(?<![\w.,])[+−-]?\d[\d,]*(?:\.\d+)?(?![\w]|\.\d)")
 
 
