@@ -88,6 +88,8 @@ def test_cell_killed_with_sigkill_resumes_to_the_uninterrupted_table(tmp_path, c
         pd.read_parquet = original
     assert rc == 0, capsys.readouterr().err
     assert all(p in reads for p in finished), "finished items were recomputed instead of read back"
+    # what decided each finished item's answers is read back with it (kvcert.runner.decisions)
+    assert all(p.with_name(p.name.replace(".items.", ".decisions.")) in reads for p in finished)
     manifest = json.loads((out_dir / "manifest.json").read_text())
     assert manifest["n_resumed_items"] == len(finished)
     assert not parts.exists(), "a complete cell keeps no checkpoints"
@@ -99,6 +101,8 @@ def test_cell_killed_with_sigkill_resumes_to_the_uninterrupted_table(tmp_path, c
     steps = pd.read_parquet(out_dir / "steps.parquet")
     assert not steps.duplicated([*KEYS, "step", "layer", "kv_head"]).any()
     pd.testing.assert_frame_equal(steps, pd.read_parquet(reference / "steps.parquet"))
+    pd.testing.assert_frame_equal(pd.read_parquet(out_dir / "decisions.parquet"),
+                                  pd.read_parquet(reference / "decisions.parquet"))
 
 
 TINY_SCALE = """\
