@@ -11,8 +11,9 @@ ports, /etc/slurm untouched), snakemake runs one shard of a tiny SmolLM2 cell th
   2-minute begin time. The same snakemake must finish without resubmitting.
 * Controller: workflow/slurm/controller.sbatch runs snakemake as a SLURM job; once the cell has checkpointed an
   item, the controller gets the signal SLURM sends ten minutes before its time limit (SIGUSR1 to the batch shell):
-  it interrupts snakemake, which cancels the cell job, and requeues itself; its next start cancels nothing left,
-  unlocks, reruns the incomplete cell, which resumes.
+  it interrupts snakemake, which cancels the cell job, and requeues itself; its next start cancels a job of
+  snakemake's that a hard-killed controller would have left in the directory (a stand-in: sleep), unlocks and
+  reruns the incomplete cell, which resumes.
 
 Either way the shard's items.parquet and steps.parquet must equal an uninterrupted run's (kvcert-run), with the
 checkpointed items read back rather than recomputed (manifest n_resumed_items), no duplicate row and nothing left
@@ -203,6 +204,7 @@ def test_controller_job_stopped_near_its_time_limit_requeues_itself_and_the_cell
          "--config", "scale=preempt"], env=env, capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
     controller = submitted.stdout.strip().split(";")[0]
+    orphan_job = None
 
     def wait(predicate, timeout: float, what: str):
         deadline = time.monotonic() + timeout
@@ -223,6 +225,12 @@ def test_controller_job_stopped_near_its_time_limit_requeues_itself_and_the_cell
         checkpointed = len(list((shard / ".parts").glob("*.items.parquet")))
         assert checkpointed < 6, "the stop came too late to test a resume"
         assert _job_state(env, cell_job) == "CANCELLED", "the interrupted snakemake left its cell job running"
+        # a job of snakemake's in this directory that a controller killed hard would have left running
+        orphan = subprocess.run(["sbatch", "--parsable", "-p", "debug", "--mem", "100", "--comment", "rule_cell_orphan",
+                                 f"--chdir={repo}", "--output=/dev/null", "--wrap", "sleep 600"], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert orphan.returncode == 0, orphan.stderr
+        orphan_job = orphan.stdout.strip().split(";")[0]
         _scontrol(env, "update", f"jobid={controller}", "StartTime=now")  # SLURM would start it ~2 minutes later
         deadline = time.monotonic() + 400
         while _job_state(env, controller) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
@@ -231,9 +239,13 @@ def test_controller_job_stopped_near_its_time_limit_requeues_itself_and_the_cell
     finally:
         if _job_state(env, controller) in ("PENDING", "RUNNING", "REQUEUED"):
             subprocess.run(["scancel", controller], env=env, timeout=30)
+        if orphan_job and _job_state(env, orphan_job) in ("PENDING", "RUNNING"):
+            subprocess.run(["scancel", orphan_job], env=env, timeout=30)
     text = log.read_text()
     info = _scontrol(env, "show", "job", controller)
     assert "JobState=COMPLETED" in info and "Restarts=1" in info, f"{info}\n{text[-3000:]}"
     assert "time limit near: interrupting snakemake" in text and f"requeued job {controller}" in text, text[-3000:]
     assert "(start 2)" in text and "snakemake exited with 0" in text, text[-3000:]
+    assert f"cancelling jobs an earlier controller left running: {orphan_job}" in text, text[-3000:]
+    assert _job_state(env, orphan_job) == "CANCELLED"
     _check_resumed(shard, reference, checkpointed)
