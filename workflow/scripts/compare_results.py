@@ -248,7 +248,18 @@ def _items_changed(record: float, rerun: float, n: int) -> str:
 
 def study_decisions(root: Path, study: str) -> pd.DataFrame | None:
     """Every decisions.parquet of a study's cell shards under ``root`` (``<root>/<study>/cells/<cell>/shard-<k>/``),
-    with columns ``cell`` ("<cell>/shard-<k>") added; None when no shard has one (a record that predates them)."""
+    with columns ``cell`` ("<cell>/shard-<k>") added; None when no shard has one (a record that predates them).
+    Read once per root and study (every differing accuracy row of a study reads the same files)."""
+    key = (str(root), study)
+    if key not in _DECISIONS_READ:
+        _DECISIONS_READ[key] = _read_decisions(root, study)
+    return _DECISIONS_READ[key]
+
+
+_DECISIONS_READ: dict[tuple[str, str], pd.DataFrame | None] = {}
+
+
+def _read_decisions(root: Path, study: str) -> pd.DataFrame | None:
     paths = sorted((root / study / "cells").glob(f"*/shard-*/{DECISIONS}"))
     if not paths:
         return None
