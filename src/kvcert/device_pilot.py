@@ -13,7 +13,8 @@ and records:
   mean (CUDA context, kernel builds, caches) is the ``warmup``, charged once per shard;
 * the model's load time and the data's load time, reported separately, also charged once per shard;
 * peak memory: ``torch.cuda.max_memory_allocated`` on a GPU, the process's peak RSS on a CPU (the peak RSS is
-  recorded on a GPU too: it sizes the job's host memory); the device's name and total memory.
+  recorded on a GPU too: it sizes the job's host memory; so is ``max_memory_reserved``, the allocator's pool, which
+  the plan's reserve covers); the device's name and total memory.
 
 From that table it writes a plan, per cell and in total (``safety`` is the stated factor, default 1.5):
 
@@ -62,7 +63,7 @@ ITEMS = 2
 GB = 1e9
 PILOT_COLUMNS = ["kind", "study", "cell", "model", "items_run", "seconds_per_item", "first_item_s", "warmup_s",
                  "load_model_s", "load_data_s", "write_s", "peak_memory_gb", "memory_measure", "peak_rss_gb",
-                 "device", "device_name", "device_memory_gb"]
+                 "peak_reserved_gb", "device", "device_name", "device_memory_gb"]
 
 
 class PilotError(ValueError):
@@ -90,6 +91,7 @@ class Measurement:
     device: str  # as the cell's manifest states it: "cuda:0", "cpu"
     device_name: str
     device_memory_gb: float
+    peak_reserved_gb: float | None = None  # max_memory_reserved on a GPU (the caching allocator's whole pool)
 
     @property
     def overhead_s(self) -> float:
@@ -310,6 +312,7 @@ def _child(result: Path, overrides: list[str]) -> int:
         "item_seconds": times, "wall_seconds": manifest["wall_seconds"], "device": device, "dtype": manifest["dtype"],
         "device_name": name, "device_memory_gb": total, "peak_rss_gb": rss,
         "peak_memory_gb": torch.cuda.max_memory_allocated(torch.device(device)) / GB if on_gpu else rss,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved(torch.device(device)) / GB if on_gpu else None,
         "memory_measure": "cuda_max_memory_allocated" if on_gpu else "peak_rss",
         "code_fingerprint": manifest["code_fingerprint"], "overrides": overrides,
     }, result)
@@ -354,7 +357,8 @@ def measure(key: str, kind: Mapping[str, Any], overrides: list[str], scratch: Pa
         load_model_s=float(wall.get("load_model", 0.0)), load_data_s=float(wall.get("load_data", 0.0)),
         write_s=float(wall.get("write", 0.0)), peak_memory_gb=float(found["peak_memory_gb"]),
         memory_measure=found["memory_measure"], peak_rss_gb=float(found["peak_rss_gb"]), device=found["device"],
-        device_name=found["device_name"], device_memory_gb=float(found["device_memory_gb"]))
+        device_name=found["device_name"], device_memory_gb=float(found["device_memory_gb"]),
+        peak_reserved_gb=found.get("peak_reserved_gb"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
