@@ -97,7 +97,7 @@ model: install
 ## The first command on a GPU node (or any new machine): SmolLM2 in the paper scale's dtype on cuda (else cpu)
 ## against the CPU float32 reference, one PASS/FAIL line per check (docs/cluster.md). A few minutes on 2 cores.
 device-check: install model
-	$(BIN)/kvcert-device-check
+	$(BIN)/kvcert-device-check $(DEVICE_CHECK_ARGS)
 
 ## What a GPU node without network needs to check the device path on a stand-in (docs/cluster.md): the
 ## bundled tokenizer, written to device-carry/tokenizer.
@@ -359,6 +359,14 @@ slurm-down:
 .PHONY: campaign-start
 campaign-start: install
 	$(SNAKEMAKE) --list-rules --config scale=$(SCALE) $(if $(OUTDIR),outdir=$(OUTDIR)) campaign=start > /dev/null
+
+## The runbook's last step: a finished campaign's cells all planned, unchanged since their manifests, of one code
+## fingerprint and package set (the campaign's start), those packages the lock's, and all seven claims tabulated
+## (workflow/scripts/verify_campaign.py). make verify-campaign SCALE=paper [LOCK=requirements/lock-cuda.txt]
+.PHONY: verify-campaign
+verify-campaign: install
+	$(BIN)/kvcert-prereg verify
+	$(BIN)/python workflow/scripts/verify_campaign.py --scale $(SCALE) --lock $(LOCK)
 
 clean-smoke:
 	rm -rf results/smoke results/smoke-slurm

@@ -164,6 +164,7 @@ def test_smoke_dag_end_to_end(tmp_path):
     text = (ROOT / out / "notebooks" / "claims.ipynb").read_text()
     assert str(ROOT) not in text and os.path.expanduser("~") not in text  # no machine path is published
     compare_with_reference(ROOT / out)
+    verify_finished_run(ROOT / out, tmp_path)
     # A finished DAG is up to date: a rerun schedules nothing.
     again = snakemake("-n", "--config", "scale=smoke", f"outdir={out}")
     assert "Nothing to be done" in again.stdout + again.stderr
@@ -188,6 +189,26 @@ def test_smoke_dag_end_to_end(tmp_path):
     report = snakemake("--report", str(tmp_path / "report.html"), "--config", "scale=smoke", f"outdir={out}")
     assert report.returncode == 0, report.stderr[-2000:]
     assert (tmp_path / "report.html").stat().st_size > 10_000
+
+
+def verify_finished_run(out, tmp_path):
+    """The runbook's last step (workflow/scripts/verify_campaign.py) passes the finished smoke run, the installed
+    packages being the lock's, and names a table changed after its manifest was written (in a copy)."""
+    script = [str(BIN / "python"), str(ROOT / "workflow" / "scripts" / "verify_campaign.py"), "--scale", "smoke"]
+    lock = ROOT / "requirements" / "lock-cpu.txt"
+    passed = subprocess.run([*script, "--outdir", str(out), "--lock", str(lock)], capture_output=True, text=True)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    assert passed.stdout.count("PASS") == 6 and "FAIL" not in passed.stdout
+    copy = tmp_path / "smoke-copy"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("*.ipynb", "figures"))
+    items = sorted(copy.rglob("items.parquet"))[0]
+    items.write_bytes(items.read_bytes() + b"\0")
+    (sorted(copy.rglob("manifest.json"))[-1]).unlink()
+    failed = subprocess.run([*script, "--outdir", str(copy)], capture_output=True, text=True)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    lines = failed.stdout.splitlines()
+    assert any(l.startswith("verify-campaign: FAIL") and "1 missing" in l for l in lines), failed.stdout
+    assert any(l.startswith("verify-campaign: FAIL") and str(items.relative_to(copy)) in l for l in lines), failed.stdout
 
 
 def _publish_notebook():

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Driver for `make rehearse-paper`: the paper scale's DAG, end to end, through the real SLURM profile
-# (workflow/profiles/slurm) on the private one-node cluster, with stand-in models and data.
+# Driver for `make rehearse-paper`: docs/cluster.md's runbook, its own commands read from the page
+# (workflow/slurm/runbook.py), run on the private one-node cluster with stand-in models and data.
 #
 # 1. stand-ins: four random-weight models with the paper scale models' architectures (bfloat16 HF
 #    directories, real tokenizer) and a LongBench-format copy (python -m kvcert.standins);
-# 2. cluster-up.sh; snakemake --workflow-profile workflow/profiles/slurm --config scale=rehearse, with
-#    the profile's site variables set (KVCERT_SLURM_ACCOUNT / _PARTITION, KVCERT_SLURM_CELL_GPUS=0);
+# 2. cluster-up.sh; the runbook's steps as one bash script, with workflow/slurm/rehearse-site.sh in place of
+#    its site settings (scale rehearse, KVCERT_SLURM_ACCOUNT / _PARTITION, KVCERT_SLURM_CELL_GPUS=0, no GPU);
+#    stage, install, device check, pilot, submit through workflow/profiles/slurm, watch, resume, collect, verify;
 # 3. checks (check_rehearsal.py): the sbatch command of every job against what the profile promises,
 #    the groups, that local rules never went to SLURM, every job COMPLETED, claims pooled over three
 #    models with per-model results, tables, figures and notebooks;
 # cluster-down.sh always runs on exit. The stand-ins answer nonsense: this rehearses plumbing only.
 #
 # Environment (all optional):
-#   KVCERT_REHEARSE_TIMEOUT  hard limit for the snakemake run, seconds (default 1800)
+#   KVCERT_REHEARSE_TIMEOUT  hard limit for the runbook's commands, seconds (default 3000)
 #   KVCERT_REHEARSE_KEEP     1: keep results/rehearse from an earlier run (resume) instead of wiping it
 #   SNAKEMAKE / PYTHON       executables (default: <repo>/.venv/bin/{snakemake,python}, else PATH)
 # plus the cluster knobs of common.sh (KVCERT_SLURM_DIR, ports, KVCERT_SLURM_ETC, ...).
@@ -26,7 +27,7 @@ fail() { echo "rehearse-paper: FAIL: $*" >&2; exit 1; }
 say() { echo "rehearse-paper: $*" >&2; }
 
 find_tools
-RUN_TIMEOUT="${KVCERT_REHEARSE_TIMEOUT:-1800}"
+RUN_TIMEOUT="${KVCERT_REHEARSE_TIMEOUT:-3000}"
 OUT="results/rehearse"   # the rehearse scale's outdir (workflow/scales/rehearse.yaml)
 cd "$REPO_ROOT"
 
@@ -53,29 +54,24 @@ trap 'exit 130' INT TERM
 source "$ENV_SH"
 export PATH="$VENV_BIN:$PATH"
 
-# What a cluster user sets (README, "Running on a SLURM cluster"); CPU-only cells here.
-export KVCERT_SLURM_ACCOUNT=kvcert-rehearsal KVCERT_SLURM_PARTITION=debug KVCERT_SLURM_CELL_GPUS=0
-unset KVCERT_SLURM_GPU_PARTITION KVCERT_SLURM_QOS SBATCH_ACCOUNT SBATCH_PARTITION
 LOG="$OUT/snakemake.log"
-# --verbose makes the executor log each sbatch command, which the checks read. --cores 1 makes each
-# submission one CPU running its cells in series (as GPU cells share their GPU), so that one group starts
-# while another computes; the status-check delay only shortens the wait on this cluster's short jobs.
-args=(--workflow-profile workflow/profiles/slurm --config scale=rehearse --cores 1
-      --slurm-init-seconds-before-status-checks 5 --verbose)
-say "snakemake ${args[*]}  (log: $LOG, limit ${RUN_TIMEOUT}s)"
+SCRIPT="$OUT/runbook.sh"
+"$PYTHON" "$HERE/runbook.py" --script --site "$HERE/rehearse-site.sh" >"$SCRIPT" || fail "docs/cluster.md's runbook cannot be read"
+say "docs/cluster.md's runbook ($("$PYTHON" "$HERE/runbook.py" --list | wc -l) steps) as $SCRIPT  (log: $LOG, limit ${RUN_TIMEOUT}s)"
 start=$SECONDS
 set +e
-timeout -s KILL "$RUN_TIMEOUT" "$SNAKEMAKE" "${args[@]}" >"$LOG" 2>&1
+timeout -s KILL "$RUN_TIMEOUT" bash "$SCRIPT" >"$LOG" 2>&1
 rc=$?
 set -e
 elapsed=$((SECONDS - start))
+grep '^runbook: ' "$LOG" >&2 || true
 if ((rc != 0)); then
   grep -v '^\s*$' "$LOG" | grep -iE 'error|fail|exception' | tail -n 30 >&2 || true
-  ((rc == 137)) && fail "snakemake killed after ${RUN_TIMEOUT}s"
-  fail "snakemake exited with $rc (see $LOG)"
+  ((rc == 137)) && fail "the runbook killed after ${RUN_TIMEOUT}s"
+  fail "the runbook's commands exited with $rc (see $LOG)"
 fi
-say "snakemake finished in ${elapsed}s"
+say "the runbook finished in ${elapsed}s"
 
 "$PYTHON" "$HERE/check_rehearsal.py" --log "$LOG" --out "$OUT" --scale rehearse ||
   fail "the rehearsal's checks failed (see above)"
-say "PASS in $((SECONDS - start_all))s (snakemake ${elapsed}s)"
+say "PASS in $((SECONDS - start_all))s (the runbook ${elapsed}s)"
