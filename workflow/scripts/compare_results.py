@@ -19,21 +19,22 @@ test's platform rule (tests/test_workflow.py):
   proven to be this machine's platform (the compiled kernel is built with -march=native, and another CPU
   model of the same capability rounds differently), so it is compared as below;
 - elsewhere (another CPU rounds float32 differently): the same rows, every non-float column
-  equal (verdicts, agreement, sample sizes, labels), accuracy.csv equal in every column except where a near-tie
-  explains an accuracy (below), and the other floats (estimates, interval ends, coverage, Spearman) equal within ``RTOL``/``ATOL`` or, in a
-  row that states its 95% interval (``ci_low``, ``ci_high``), within ``WIDTH_FRACTION`` of the record's
-  interval width, whichever is larger.
+  equal (verdicts, agreement, sample sizes, labels), accuracy.csv equal in every column except where near-ties
+  explain an accuracy (below), and the other floats (estimates, interval ends, coverage, Spearman) equal within
+  ``RTOL``/``ATOL`` or, in a row that states its 95% interval (``ci_low``, ``ci_high``), within
+  ``WIDTH_FRACTION`` of the record's interval width, whichever is larger.
 
 Near-ties. Across CPU models an answer decided by a hair can be decided the other way. Each cell shard of a run
 since decision margins were recorded has ``decisions.parquet`` (kvcert.runner.decisions: per item and
-configuration the decode margin, the draw margin and a digest of what its draws kept; committed records predate it).
+configuration the decode margin, the draw margin and a digest of what its draws kept; committed records
+predate it).
 Off the record's platform an accuracy that differs passes only when its change is made of whole flipped answers
 (one draw of an item moves its row by 1/(n · draws of the item)) each at a near-tie (kvcert.runner.decisions's
 DECODE_RTOL, DRAW_RTOL):
 
-- the record has decisions.parquet: the flipped draws are those whose ``correct`` differs; each must be a near-tie
-  by the record's margins: its decode margin, or its draw margin where the rerun's draws kept another set; the record's
-  and the rerun's decisions must reproduce both accuracies;
+- the record has decisions.parquet: the flipped draws are those whose ``correct`` differs; each must be a
+  near-tie by the record's margins: its decode margin, or its draw margin where the rerun's draws kept another
+  set; the record's and the rerun's decisions must reproduce both accuracies;
 - the record predates them: near-ties per the rerun's own decisions; the change must be a sum of flips of
   near-tie draws (a draw the rerun got right may have been wrong in the record, and the reverse), the fewest
   such flips are named.
@@ -63,7 +64,7 @@ import numpy as np
 import pandas as pd
 
 from kvcert.provenance import numeric_platform, platform_differences
-from kvcert.runner.decisions import DECODE, DRAW, near_ties
+from kvcert.runner.decisions import DRAW, near_ties
 
 TABLES = ("claims.csv", "reproduction.csv", "accuracy.csv")
 # Across CPU instruction sets (AVX2 vs AVX512) the float32 kernel sums its 64-term dot products in another

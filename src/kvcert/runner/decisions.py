@@ -24,7 +24,6 @@ import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
-import numpy as np
 import pandas as pd
 import torch
 
