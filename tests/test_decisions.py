@@ -337,3 +337,15 @@ def kvcert_prefill(*args, **kwargs):
     import kvcert
 
     return kvcert.prefill(*args, **kwargs)
+
+
+def test_an_unreadable_decisions_file_is_one_line(tmp_path, capsys):
+    committed = _study(tmp_path / "record", 55.5556, None)
+    fresh = _study(tmp_path / "rerun", 66.6667, _decisions(FLIPPED))
+    bad = fresh / "v5" / "cells" / "oracle-smollm2-share0.8" / "shard-0" / "decisions.parquet"
+    bad.write_bytes(b"not parquet")
+    (tmp_path / "record" / "v5" / "cells").mkdir(parents=True)
+    assert compare_results.main(["--committed", str(committed), "--fresh", str(fresh), "v5",
+                                 "--tables", "accuracy.csv"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"verify-results: error: {bad}: unreadable (ArrowInvalid)"]

@@ -389,7 +389,10 @@ def compare_cells(record: Path, rerun: Path, label: str = "") -> tuple[list[str]
             if name == DECISIONS:
                 return None
             raise CompareError(f"{path}: missing")
-        return pd.read_parquet(path)
+        try:
+            return pd.read_parquet(path)
+        except Exception as err:  # noqa: BLE001 - any unreadable file is bad input, named
+            raise CompareError(f"{path}: unreadable ({type(err).__name__})") from None
 
     items_a, items_b = load(record, "items.parquet"), load(rerun, "items.parquet")
     dec_a, dec_b = load(record, DECISIONS), load(rerun, DECISIONS)
