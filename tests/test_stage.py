@@ -258,7 +258,7 @@ def test_stage_a_standin_as_a_hub_cache_loadable_by_name_offline(tmp_path, capsy
     assert f"source {out / stage.ENV_FILE}" in captured.out and f"HF_HUB_CACHE={out / 'hub'}" in captured.out
     kept = mr.loading_files(p.name for p in source.iterdir())
     needed = sum((source / n).stat().st_size for n in kept)
-    assert f"kvcert-stage: needs {needed / 1e9:.2f} GB on {out}" in captured.err
+    assert f"kvcert-stage: needs {needed / 1e9:.2f} GB on {out}" in captured.err and needed >= 10**7
 
     folder = out / "hub" / "models--Qwen--Qwen2.5-7B-Instruct"
     revision = (folder / "refs" / "main").read_text()
@@ -298,3 +298,17 @@ def test_stage_a_standin_as_a_hub_cache_loadable_by_name_offline(tmp_path, capsy
     assert seen["type"] == "qwen2" and seen["vocab"] == len(tokenizer) and seen["offline"] == "1"
     assert seen["fp"] == {"kind": "hf", "name": "Qwen/Qwen2.5-7B-Instruct", "sha256": record["sha256"],
                           "revision": revision}
+
+
+def test_too_little_disk_and_dry_run_write_nothing(tmp_path, monkeypatch, capsys):
+    directory = _model_dir(tmp_path)
+    out = tmp_path / "stage"
+    argv = ["--model-dir", f"org/m={directory}", "--out", str(out), "--wheels", "none", "--bundled", "none"]
+    assert stage.main([*argv, "--dry-run"]) == 0
+    needed = sum(f.stat().st_size for f in directory.iterdir() if f.name != "README.md")
+    assert f"kvcert-stage: needs {needed / 1e6:.2f} MB on" in capsys.readouterr().err and not out.exists()
+    monkeypatch.setattr(stage, "_free_bytes", lambda path: 1000)  # our own logic: a full disk
+    assert stage.main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"kvcert-stage: error: {out}: 0.00 MB free, {needed / 1e6:.2f} MB needed")
+    assert not out.exists()

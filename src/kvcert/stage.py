@@ -369,6 +369,11 @@ def env_text(has_longbench: bool, has_wheels: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _size(n: int) -> str:
+    """Bytes for a reader: GB with two decimals, MB below 10 MB."""
+    return f"{n / _GB:.2f} GB" if n >= 10**7 else f"{n / 1e6:.2f} MB"
+
+
 def _free_bytes(path: Path) -> int:
     for candidate in (path, *path.parents):
         if candidate.exists():
@@ -395,17 +400,17 @@ def describe(models: list[ModelPlan], data: DataPlan | None, wheels: tuple[Path,
         done += _already(plan, hub) if plan.source is None else 0
         where = f"@ {plan.revision[:12]}" if plan.revision else f"from {plan.source}"
         skipped = f"; not staged: {', '.join(plan.skipped)}" if plan.skipped else ""
-        lines.append(f"  model {plan.name} {where}: {size / _GB:.2f} GB in {len(plan.sizes)} files{skipped}")
+        lines.append(f"  model {plan.name} {where}: {_size(size)} in {len(plan.sizes)} files{skipped}")
     if data is not None:
         if data.source is None:
             total += data.size or 0
-            lines.append(f"  LongBench {data.hub_id} data.zip: {(data.size or 0) / _GB:.2f} GB "
+            lines.append(f"  LongBench {data.hub_id} data.zip: {_size(data.size or 0)} "
                          f"(subsets {', '.join(data.subsets)})")
         else:
             lines.append(f"  LongBench from {data.source} (subsets {', '.join(data.subsets)})")
     if wheels is not None:
         lines.append(f"  wheels: {wheels[1]} pinned requirements of {wheels[0]} (their size is known once downloaded)")
-    head = f"kvcert-stage: needs {total / _GB:.2f} GB on {out} ({(total - done) / _GB:.2f} GB left to fetch)"
+    head = f"kvcert-stage: needs {_size(total)} on {out} ({_size(total - done)} left to fetch)"
     return [head, *lines], total - done
 
 
@@ -477,11 +482,11 @@ def _main(args) -> int:
         lines.append(f"  bundled models' wheels: {', '.join(bundled)}")
     free = _free_bytes(out)
     print("\n".join(lines), file=sys.stderr)
-    print(f"kvcert-stage: {free / _GB:.2f} GB free there", file=sys.stderr)
+    print(f"kvcert-stage: {_size(free)} free there", file=sys.stderr)
     if args.dry_run:
         return 0
     if left > free:
-        raise StageError(f"{out}: {free / _GB:.2f} GB free, {left / _GB:.2f} GB needed")
+        raise StageError(f"{out}: {_size(free)} free, {_size(left)} needed")
 
     hub.mkdir(parents=True, exist_ok=True)
     staged_models = []
