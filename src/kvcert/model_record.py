@@ -37,6 +37,7 @@ from .provenance import sha256_file
 RECORD_NAME = "kvcert-record.json"
 FORMAT = "kvcert-model-record/1"
 REHASH_ENV = "KVCERT_MODEL_REHASH"
+_AGAIN = " (files changed on purpose: remove {where} and the next load records them again)"
 
 # What transformers' from_pretrained reads of a causal LM repository besides the weights.
 CONFIG_FILES = frozenset({"config.json", "generation_config.json"})
@@ -151,13 +152,15 @@ def check_record(directory: str | Path, record: dict[str, Any], *, rehash: bool 
     for name, entry in sorted(listed.items()):
         path = directory / name
         if not path.is_file():
-            raise RecordError(f"{path}: missing; the model record {where} lists it")
+            raise RecordError(f"{path}: missing; the model record {where} lists it{_AGAIN.format(where=where)}")
         size = path.stat().st_size
         if size != entry["size"]:
-            raise RecordError(f"{path}: {size} bytes, the model record {where} says {entry['size']}")
+            raise RecordError(f"{path}: {size} bytes, the model record {where} says {entry['size']}"
+                              f"{_AGAIN.format(where=where)}")
     extra = [n for n in directory_files(directory) if n not in listed]
     if extra:
-        raise RecordError(f"{directory / extra[0]}: a file loading reads that the model record {where} does not list")
+        raise RecordError(f"{directory / extra[0]}: a file loading reads that the model record {where} does not list"
+                          f"{_AGAIN.format(where=where)}")
     if record.get("sha256") != weights_digest(record["files"]):
         raise RecordError(f"{where}: its sha256 is not the digest of its files' sha256")
     if rehash:
@@ -165,7 +168,7 @@ def check_record(directory: str | Path, record: dict[str, Any], *, rehash: bool 
             digest = sha256_file(directory / name)
             if digest != entry["sha256"]:
                 raise RecordError(f"{directory / name}: sha256 {digest[:12]}, the model record {where} says "
-                                  f"{entry['sha256'][:12]}")
+                                  f"{entry['sha256'][:12]}{_AGAIN.format(where=where)}")
 
 
 def rehash_requested() -> bool:
