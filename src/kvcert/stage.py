@@ -462,9 +462,6 @@ def _main(args) -> int:
     lock = None
     if args.lock is not None or args.wheels != "none":
         lock = args.lock if args.lock is not None else args.root / LOCKS[args.wheels]
-    if not names and not subsets and lock is None and not bundled:
-        raise StageError("nothing to stage: give scale=<name>, --model, --subsets or a lock (--wheels, --lock)")
-    requirements = read_lock(lock) if lock is not None else []
     from .models import BUNDLED
 
     bundled_names = [] if args.bundled.strip() in ("", "none") else [b.strip() for b in args.bundled.split(",")]
@@ -472,6 +469,9 @@ def _main(args) -> int:
         if bundle not in BUNDLED:
             raise StageError(f"--bundled {bundle}: unknown bundled model; known: {', '.join(BUNDLED)} (or none)")
     bundled = [wheel for b in bundled_names for wheel in BUNDLED[b].wheels]
+    if not names and not subsets and lock is None and not bundled:
+        raise StageError("nothing to stage: give scale=<name>, --model, --subsets or a lock (--wheels, --lock)")
+    requirements = read_lock(lock) if lock is not None else []
 
     out: Path = args.out
     hub = out / "hub"

@@ -9,8 +9,11 @@ export STAGE_DIR="$PWD/results/rehearse/stage"
 export STAGE_WHEELS=none LOCK=requirements/lock-cpu.txt
 export KVCERT_SLURM_ACCOUNT=kvcert-rehearsal KVCERT_SLURM_PARTITION=debug KVCERT_SLURM_CELL_GPUS=0
 unset KVCERT_SLURM_GPU_PARTITION KVCERT_SLURM_QOS SBATCH_ACCOUNT SBATCH_PARTITION
-export GPU=""                                         # no GPU: srun runs the GPU steps on the node's CPU
-export PILOT_ARGS="" DEVICE_CHECK_ARGS="--prompts 1 --reps 1"
+export GPU="--cpus-per-task=1 --mem=4000"            # no GPU: srun runs the GPU steps on the node's CPU
+# The pilot measures two cell kinds here (the whole scale's pilot over the stand-ins is make pilot-rehearse and
+# tests/test_device_pilot.py); with --cells it writes no plan, so the cells keep the scale's resources, which
+# check_rehearsal.py checks.
+export PILOT_ARGS="--cells paper/qwen7b-ruler-*" DEVICE_CHECK_ARGS="--prompts 1 --reps 1"
 # --verbose makes the executor log each sbatch command, which check_rehearsal.py reads. --cores 1 makes each
 # submission one CPU running its cells in series (as GPU cells share their GPU), so that one group starts while
 # another computes; the status-check delay only shortens the wait on this cluster's short jobs.
