@@ -10,7 +10,8 @@ Tokenizers: the tests' own byte-level BPE (tests/helpers/tokenizer.py), given te
 formats of ChatML (SmolLM2, Qwen) and of Gemma (which trims the user's text) or none; the bundled SmolLM2's
 (marker smollm2), whose GGUF carries a ChatML template; and the bundled Gemma 3 270M's, the pre-trained model,
 whose GGUF carries none (marker long: make model does not fetch Gemma 3, and fetching and converting it takes
-minutes).
+minutes). On SmolLM2 the framed ids equal, token for token, what kvpress 0.5.5's pipeline prefills and feeds
+(its own preprocessing, run in the peer environment of tests/test_peers.py: tests/peers/kvpress_prompts.py).
 """
 
 from __future__ import annotations
@@ -382,3 +383,28 @@ def test_the_rehearsal_stand_ins_keep_smollm2s_template(tmp_path):
     assert chat_frame(saved) == chat_frame(tok)
     prompt = build_prompt(saved, CONTEXT, QUESTION, PREFIX, setting="streaming", chat_template=True)
     assert ids(prompt) == ids(build_prompt(tok, CONTEXT, QUESTION, PREFIX, setting="streaming", chat_template=True))
+
+
+@pytest.mark.smollm2
+def test_smollm2_on_gives_kvpress_pipelines_token_ids(smollm2_items, tmp_path):
+    """kvpress 0.5.5's pipeline (its own preprocessing, in the peer environment: `make peers`) prefills and
+    compresses exactly the streaming prefix and feeds exactly the suffix that chat_template=true builds."""
+    import os
+    import subprocess
+
+    tok, items = smollm2_items
+    peer = Path(os.environ.get("KVCERT_PEER_PYTHON") or ROOT / ".venv-peers" / "bin" / "python")
+    if not peer.is_file():
+        pytest.fail(f"{peer}: no peer environment; run `make peers` (or set KVCERT_PEER_PYTHON)")
+    tok.save_pretrained(tmp_path / "tokenizer")
+    request = [{"context": i.context, "question": i.question, "answer_prefix": i.answer_prefix} for i in items]
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # nothing of kvcert's there
+    done = subprocess.run([str(peer), str(ROOT / "tests" / "peers" / "kvpress_prompts.py"), str(tmp_path / "tokenizer")],
+                          input=json.dumps(request), capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = json.loads(done.stdout)
+    assert len(theirs) == len(items)
+    for item, (context_ids, question_ids) in zip(items, theirs):
+        prompt = build_prompt(tok, item.context, item.question, item.answer_prefix, setting="streaming",
+                              chat_template=True)
+        assert ids(prompt) == (context_ids, question_ids), item.id
