@@ -141,11 +141,12 @@ test-press: install model
 	$(BIN)/python -m pytest -q tests/test_press.py --durations=5
 
 ## The prompt option chat_template (tests/test_chat_template.py): token ids off as before and on framed by the
-## template, the refusal of a model without one, the cell's identity, the paper scale's cells. Gemma 3's refusal
-## needs Gemma 3 fetched: make test-long.
+## template (token for token kvpress's pipeline's, in the peer environment), the refusal of a model without one,
+## the cell's identity, the paper scale's cells. Gemma 3's refusal needs Gemma 3 fetched: make test-long.
 .PHONY: test-chat-template
-test-chat-template: install model
-	$(BIN)/python -m pytest -q tests/test_chat_template.py -m "not long" --durations=5
+test-chat-template: install model peers
+	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" $(BIN)/python -m pytest -q tests/test_chat_template.py \
+		-m "not long" --durations=5
 
 ## Exploratory: the bundled models' full-cache accuracy with and without their chat template
 ## (benchmarks/chat_template_probe.py, benchmarks/README.md); writes results/exploratory/chat-template/accuracy.csv.
