@@ -26,7 +26,10 @@ PAGES = [README, ROOT / "benchmarks" / "README.md", *sorted(DOCS.rglob("*.md"))]
 # Names the docs use on purpose although no file defines them: the bad input of docs/errors.md, the user's own
 # derived scale of docs/cluster.md, and hajek_attention's keyword argument `scale=None` (docs/library.md).
 NOT_A_SCALE = {"huge", "mysite", "None"}
-NOT_A_SCRIPT = {"kvcert-calibration"}  # the calibration file's format name (docs/METHOD.md)
+NOT_A_SCRIPT = {"kvcert-calibration",  # the calibration file's format name (docs/METHOD.md)
+                "kvcert-controller",  # the controller job's name and log (workflow/slurm/controller.sbatch)
+                "kvcert-text-generation",  # the transformers pipeline task kvcert.presses registers
+                "kvcert-stage", "kvcert-record"}  # kvcert-stage.env and kvcert-record.json, files the stage writes
 NOT_A_PREREG_VERSION = {9}  # docs/errors.md: prereg_version=9 is the example of an unknown version
 
 
