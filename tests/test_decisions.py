@@ -2,8 +2,8 @@
 (workflow/scripts/compare_results.py): across CPU models an answer changed at a near-tie passes and is named,
 anything else fails.
 
-The real cells are SmolLM2-135M on two short RULER items (markers smollm2 and cluster: each test runs a cell, 20-45 s
-on two busy cores), run in this process so that a test
+The real cells are SmolLM2-135M on two short RULER items (marker smollm2: each test runs one cell, about 8 s on two
+idle cores, 25-45 s on busy ones), run in this process so that a test
 can plant a bug with monkeypatch: the Hájek offset with the wrong sign (+log π), and another policy's scores under
 SnapKV's name. Each bug run is compared with an unmodified run through the comparison's own code and must fail.
 Two tests edit a copy of the unmodified run's tables to plant one flipped answer (labelled where they do); the
@@ -59,7 +59,6 @@ def record(tmp_path_factory) -> Path:
 
 
 @pytest.mark.smollm2
-@pytest.mark.cluster
 def test_decisions_leave_items_and_steps_byte_identical(record, tmp_path):
     plain = _run(tmp_path / "without", "decisions=false")
     assert not (plain / "decisions.parquet").exists()
@@ -91,7 +90,6 @@ def test_decisions_leave_items_and_steps_byte_identical(record, tmp_path):
 
 
 @pytest.mark.smollm2
-@pytest.mark.cluster
 def test_the_wrong_offset_sign_fails(record, tmp_path, monkeypatch):
     import kvcert.cache
     from kvcert.estimator import NOT_RETAINED
@@ -106,7 +104,6 @@ def test_the_wrong_offset_sign_fails(record, tmp_path, monkeypatch):
 
 
 @pytest.mark.smollm2
-@pytest.mark.cluster
 def test_another_policy_under_snapkvs_name_fails(record, tmp_path, monkeypatch):
     import kvcert.generation
 
@@ -150,7 +147,6 @@ def _plant_near_tie(cell: Path, keys: dict) -> float:
 
 
 @pytest.mark.smollm2
-@pytest.mark.cluster
 def test_one_planted_flip_passes_at_a_near_tie_and_fails_without(record, tmp_path):
     rerun = _copy(record, tmp_path / "rerun")
     keys = _plant_flip(rerun)
@@ -270,7 +266,6 @@ def test_near_ties_follow_the_stated_tolerances():
 
 
 @pytest.mark.smollm2
-@pytest.mark.cluster
 def test_verify_results_compares_the_cells_a_record_keeps(record, tmp_path, capsys):
     """A record that keeps its cells' tables (a run on a cluster, say) is compared shard by shard, row by row."""
     shard = Path("v5") / "cells" / "oracle-smollm2" / "shard-0"
