@@ -72,6 +72,9 @@ if ((rc != 0)); then
 fi
 say "the runbook finished in ${elapsed}s"
 
+# The checks read the site settings the runbook ran with (partition, GPUs per cell).
+# shellcheck source=workflow/slurm/rehearse-site.sh
+source "$HERE/rehearse-site.sh"
 "$PYTHON" "$HERE/check_rehearsal.py" --log "$LOG" --out "$OUT" --scale rehearse ||
   fail "the rehearsal's checks failed (see above)"
 say "PASS in $((SECONDS - start_all))s (the runbook ${elapsed}s)"
