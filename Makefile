@@ -306,7 +306,7 @@ verify: install
 ## The cluster scripts' own tests (pytest -m slurm), then the smoke DAG through a real one-node SLURM
 ## cluster on 127.0.0.1 (up -> run -> checks -> down). Its claims.csv must equal the local smoke run's.
 test-slurm: smoke
-	$(BIN)/python -m pytest -q -m slurm tests/test_slurm_cluster.py tests/test_slurm_preemption.py
+	$(BIN)/python -m pytest -q -m "slurm and not long" tests/test_slurm_cluster.py tests/test_slurm_preemption.py
 	PATH="$(abspath $(BIN)):$$PATH" KVCERT_SLURM_REFERENCE_CLAIMS=$(abspath results/smoke/claims.csv) \
 	  KVCERT_SLURM_CONFIG="scale=smoke" KVCERT_SLURM_CLAIMS=results/smoke/claims.csv KVCERT_SLURM_SNAKEFILE=$(abspath Snakefile) \
 	  bash workflow/slurm/test-slurm.sh
