@@ -38,7 +38,7 @@ from ..targets import CHOICE_COLUMNS
 from .config import CellConfig, Configuration, plain_config, validate
 from .decisions import LogitTops, decision_frame, draw_record, split_draws
 from .manifest import build_manifest
-from .shard_lock import shard_lock
+from .shard_lock import created_dirs, remove_empty, shard_lock
 from .tables import ITEM_COLUMNS, empty_step_table, logprob_summary, summarize_steps, tag_steps
 
 PARTS = ".parts"
@@ -221,12 +221,12 @@ def _run_cell(cell: CellConfig, out_dir: Path, wall: float) -> Path:
         _check_resumable(json.loads(marker.read_text()), identity, out_dir)
     elif parts.exists():
         shutil.rmtree(parts)  # checkpoints nobody can vouch for (their identity was removed): never reused
-    created = _created_dirs(parts)
+    created = created_dirs(parts)
     try:
         parts.mkdir(parents=True, exist_ok=True)
         write_text_atomic(json.dumps(identity, indent=1, sort_keys=True), marker)
     except OSError as err:
-        _remove_empty(created)
+        remove_empty(created)
         raise ConfigError(f"out_dir={out_dir}: cannot write there ({err.strerror or err})") from None
     try:
         return _run_items(cell, spec, model, tokenizer, items, shard, prompts, parts, out_dir, identity,
@@ -238,7 +238,7 @@ def _run_cell(cell: CellConfig, out_dir: Path, wall: float) -> Path:
             for leftover in [*parts.glob(".*.tmp"), *parts.glob("*.steps.parquet"), *parts.glob("*.targets.parquet"),
                              *parts.glob("*.decisions.parquet")]:
                 leftover.unlink(missing_ok=True)
-            _remove_empty(created)
+            remove_empty(created)
         raise
 
 
@@ -263,24 +263,6 @@ def check_out_dir(out_dir: Path) -> None:
     reason = unwritable_reason(out_dir)
     if reason:
         raise ConfigError(f"out_dir={out_dir}: {reason}")
-
-
-def _created_dirs(path: Path) -> list[Path]:
-    """The directories that ``path.mkdir(parents=True)`` would create, deepest first."""
-    missing = []
-    for p in (path, *path.parents):
-        if p.exists():
-            break
-        missing.append(p)
-    return missing
-
-
-def _remove_empty(dirs: list[Path]) -> None:
-    for d in dirs:  # deepest first
-        try:
-            d.rmdir()
-        except OSError:
-            break
 
 
 def _run_items(cell: CellConfig, spec, model, tokenizer, items, shard, prompts, parts, out_dir, identity, timings,

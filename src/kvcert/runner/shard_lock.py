@@ -74,13 +74,23 @@ def _read_holder(fd: int) -> dict | None:
     return found if isinstance(found, dict) else None
 
 
-def _created_dirs(path: Path) -> list[Path]:
+def created_dirs(path: Path) -> list[Path]:
+    """The directories that ``path.mkdir(parents=True)`` would create, deepest first."""
     missing = []
     for p in (path, *path.parents):
         if p.exists():
             break
         missing.append(p)
     return missing
+
+
+def remove_empty(dirs: list[Path]) -> None:
+    """Remove ``dirs`` (deepest first, as ``created_dirs`` gives them), stopping at the first that holds something."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            break
 
 
 @contextmanager
@@ -94,7 +104,7 @@ def shard_lock(out_dir: str | Path) -> Iterator[Path | None]:
     out_dir = Path(out_dir)
     path = out_dir / LOCK_NAME
     key = os.path.realpath(path)
-    created = _created_dirs(out_dir)
+    created = created_dirs(out_dir)
     with _HELD_GUARD:
         if key in _HELD:
             raise ShardBusy(f"out_dir={out_dir}: another run is writing this shard "
@@ -122,11 +132,7 @@ def shard_lock(out_dir: str | Path) -> Iterator[Path | None]:
             os.close(fd)
         with _HELD_GUARD:
             _HELD.discard(key)
-        for d in created:  # deepest first; stops at the first directory that holds something
-            try:
-                d.rmdir()
-            except OSError:
-                break
+        remove_empty(created)
 
 
 def _acquire(path: Path, out_dir: Path) -> int | None:
