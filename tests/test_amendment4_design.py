@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvcert.scales import load_scale
+from kvcert.scales import current_study, design_reference, load_scale
 
 ROOT = Path(__file__).resolve().parents[1]
+SCALES = ROOT / "workflow" / "scales"
 STUDIES = {s: ROOT / "results" / s / "claims" for s in ("v1", "v2", "v2-full", "v3")}
 
 
@@ -37,6 +38,12 @@ def resize():
 @pytest.fixture(scope="module")
 def amendment():
     return yaml.safe_load((ROOT / "preregistration" / "amendment-4.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def spec():
+    """Amendment 4's plan, as its data states it (the locked document and its sidecar, pilot.py's amendment_data)."""
+    return _script("pilot").amendment_data(ROOT / "preregistration" / "amendment-4.yaml")["plan"]
 
 
 POPULATION = {"models": {
@@ -79,14 +86,14 @@ def test_class_rates_weight_each_streaming_task_equally(power):
         power.class_rates(rows[:1], POPULATION)
 
 
-def test_planned_cells_are_valid_run_configs_with_the_chosen_knobs(resize):
+def test_planned_cells_are_valid_run_configs_with_the_chosen_knobs(resize, spec):
     from omegaconf import OmegaConf
 
     from kvcert.hydra_app import compose
     from kvcert.runner.config import validate
 
     counts = {f"{k}-{m}": 70 for m in POPULATION["models"] for k in resize.KINDS}
-    cells = resize.planned_cells(POPULATION, counts, {"qa": 40, "streaming": 40, "oracle": 41})
+    cells = resize.planned_cells(POPULATION, counts, {"qa": 40, "streaming": 40, "oracle": 41}, spec)
     assert sorted(cells) == sorted(counts)
     for name, cell in cells.items():
         cfg = compose([f"model={cell['model']}", *cell["overrides"]])
@@ -101,16 +108,17 @@ def test_planned_cells_are_valid_run_configs_with_the_chosen_knobs(resize):
     assert "data.seed=41" in cells["oracle-gemma3"]["overrides"] and "oracle=true" in cells["oracle-gemma3"]["overrides"]
 
 
-def test_the_design_scales_to_the_budget_and_keeps_c6s_floor(resize):
+def test_the_design_scales_to_the_budget_and_keeps_c6s_floor(resize, spec):
     timing = {f"{k}-{m}": {"per_item_median": t} for m, ts in (("smollm2", (10.0, 16.0, 14.0)), ("gemma3", (20.0, 37.0, 22.0)))
               for k, t in zip(resize.KINDS, ts)}
     power = {"per_model": {"question_aware": 1261, "streaming": 320}}
     seeds = {"qa": 40, "streaming": 40, "oracle": 41}
-    out = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=200, prereg=4)
+    oracle = {"oracle_items": {"smollm2": 30, "gemma3": 16}, "spec": spec}
+    out = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=200, prereg=4, **oracle)
     counts = out["reproduce_90_minutes"]["counts"]
     assert not out["fits"] and out["reproduce_90_minutes"]["c6_floor_kept"]
     assert counts["streaming-smollm2"] == counts["streaming-gemma3"] == 100  # the floor, split between models
-    assert counts["qa-smollm2"] + counts["qa-gemma3"] >= resize.MIN_QA_ITEMS
+    assert counts["qa-smollm2"] + counts["qa-gemma3"] >= spec["min_qa_items"] == 100
     assert counts["oracle-smollm2"] == 30 and counts["oracle-gemma3"] == 16
     spent = sum(counts[c] * timing[c]["per_item_median"] for c in counts)
     assert spent <= 7800.0 and out["reproduce_90_minutes"]["estimated_cell_seconds"] == round(spent)
@@ -119,36 +127,54 @@ def test_the_design_scales_to_the_budget_and_keeps_c6s_floor(resize):
     assert out["powered"]["study"]["prereg"] == 4
     # A floor that leaves too little (or nothing) for the question-aware cells: uniform scaling, floor dropped.
     for floor in (300, 400):
-        uniform = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=floor, prereg=4)["reproduce_90_minutes"]
+        uniform = resize.design(POPULATION, power, timing, 7800.0, seeds, c6_min_items=floor, prereg=4,
+                                **oracle)["reproduce_90_minutes"]
         assert not uniform["c6_floor_kept"]
         assert uniform["counts"]["streaming-smollm2"] == math.floor(320 * uniform["factor"])
-    roomy = resize.design(POPULATION, power, timing, 1e7, seeds, c6_min_items=400, prereg=4)
+    roomy = resize.design(POPULATION, power, timing, 1e7, seeds, c6_min_items=400, prereg=4, **oracle)
     assert roomy["fits"] and roomy["reproduce_90_minutes"]["counts"] == roomy["powered"]["counts"]
 
 
-@pytest.mark.parametrize("version, scale, study, design", [(4, "v4", "v4", "reproduce_90_minutes"),
-                                                           (4, "v4-full", "v4-full", "powered"),
-                                                           (5, "default", "v5", "reproduce_90_minutes"),
-                                                           (5, "v5-full", "v5-full", "powered")])
-def test_the_scales_apply_the_locked_designs_studies(version, scale, study, design):
-    """Studies v4 (`make reproduce-v4`), v4-full (`make reproduce-v4-full`), v5 (`make reproduce`) and v5-full
-    (`make reproduce-v5-full`) reference their amendment's design.yaml: the file names the design and copies none
-    of its cells, and the resolved study is the locked one."""
-    design_file = ROOT / "preregistration" / f"amendment-{version}" / "design.yaml"
-    locked = yaml.safe_load(design_file.read_text())[design]["study"]
-    written = yaml.safe_load((ROOT / "workflow" / "scales" / f"{scale}.yaml").read_text())["studies"][study]
-    assert written == {"design": {"file": f"../../preregistration/amendment-{version}/design.yaml",
-                                  "study": f"{design}.study"}}
-    resolved = load_scale(scale, ROOT / "workflow" / "scales")["studies"][study]
-    assert resolved == locked
+def _design_studies():
+    """(scale, study) of every study of every scale file that applies a locked design (``design: {file, study}``):
+    v4, v4-full, the current study and its powered design, and whatever a later amendment's scales add."""
+    out = []
+    for path in sorted(SCALES.glob("*.yaml")):
+        for study, spec in (yaml.safe_load(path.read_text()).get("studies") or {}).items():
+            if isinstance(spec, dict) and "design" in spec:
+                out.append((path.stem, study))
+    return out
+
+
+def test_the_current_study_and_the_records_apply_locked_designs():
+    found = _design_studies()
+    assert {("v4", "v4"), ("v4-full", "v4-full"), ("default", current_study(SCALES))} <= set(found)
+
+
+@pytest.mark.parametrize("scale, study", _design_studies())
+def test_the_scales_apply_the_locked_designs_studies(scale, study):
+    """Studies v4 (`make reproduce-v4`), v4-full (`make reproduce-v4-full`), the current study (`make reproduce`)
+    and its powered design reference their amendment's design.yaml: the file names the design and copies none of
+    its cells, and the resolved study is the locked one."""
+    design_file, key = design_reference(SCALES, scale, study)
+    version = int(design_file.parent.name.removeprefix("amendment-"))
+    assert design_file == ROOT / "preregistration" / f"amendment-{version}" / "design.yaml"
+    assert key in ("reproduce_90_minutes.study", "powered.study")
+    locked = yaml.safe_load(design_file.read_text())[key.split(".")[0]]["study"]
+    written = yaml.safe_load((SCALES / f"{scale}.yaml").read_text())["studies"][study]
+    assert written == {"design": {"file": f"../../preregistration/amendment-{version}/design.yaml", "study": key}}
+    resolved = load_scale(scale, SCALES)["studies"][study]
+    assert resolved == locked and resolved["prereg"] == version
 
 
 def test_the_default_scale_reads_the_powered_study_as_a_record():
-    """`make reproduce` tabulates v4's and v4-full's committed results beside v5; `make reproduce-v4` and
-    `make reproduce-v4-full` regenerate them."""
-    default = yaml.safe_load((ROOT / "workflow" / "scales" / "default.yaml").read_text())["studies"]
+    """`make reproduce` tabulates v4's and v4-full's committed results beside the current study; `make reproduce-v4`
+    and `make reproduce-v4-full` regenerate them."""
+    default = yaml.safe_load((SCALES / "default.yaml").read_text())["studies"]
     assert default["v4"] == default["v4-full"] == {"prereg": 4, "archived": True}
-    assert list(default)[-3:] == ["v4", "v4-full", "v5"]  # the grid's columns: v4, its powered design, then v5
+    order = list(default)
+    # the grid's columns: v4, its powered design, later records, then the current study last
+    assert order.index("v4") + 1 == order.index("v4-full") and order[-1] == current_study(SCALES)
 
 
 def test_the_scripts_driven_by_the_versions_data_recompute_amendment_4s_locked_files(tmp_path):

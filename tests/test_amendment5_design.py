@@ -47,6 +47,12 @@ def draft():
     return yaml.safe_load(DRAFT.read_text())
 
 
+@pytest.fixture(scope="module")
+def spec():
+    """Amendment 5's plan as data: the locked document lacks it, so its sidecar (spec.yaml) states it."""
+    return _script("pilot").amendment_data(DRAFT)["plan"]
+
+
 def _by_hand(root: Path, studies: list[str]) -> dict:
     """The DRAFT's power.rule, written out from the claim JSONs (1.96 as the rule states it)."""
     def sd(component, n):
@@ -106,12 +112,12 @@ def test_power_equals_a_hand_computation_and_the_numbers_the_draft_states(draft)
     assert f"{power['c3']['coverage']['sd_max']:.3f}" == "0.010" and f"{power['c3']['spearman']['sd_max']:.3f}" == "0.029"
 
 
-def test_the_cells_run_every_configuration_the_draft_counts(resize):
+def test_the_cells_run_every_configuration_the_draft_counts(resize, spec):
     from kvcert.plan import compose_cell
 
     population = yaml.safe_load((ROOT / "preregistration" / "amendment-4" / "population.yaml").read_text())
     counts = {f"{k}-{m}": 8 for m in population["models"] for k in ("qa", "oracle", "streaming")}
-    cells = resize.configuration_cells(population, counts, {"qa": 9601, "oracle": 9601, "streaming": 9601})
+    cells = resize.configuration_cells(population, counts, {"qa": 9601, "oracle": 9601, "streaming": 9601}, spec)
     runs: dict[str, int] = {}
     for name, cell in cells.items():
         checked = compose_cell([f"model={cell['model']}", *cell["overrides"]])[1]
@@ -173,7 +179,7 @@ def _copy(root: Path) -> Path:
 
 @pytest.mark.long
 @pytest.mark.smollm2
-def test_reuse_population_timing_power_design_on_the_draft(tmp_path, resize):
+def test_reuse_population_timing_power_design_on_the_draft(tmp_path, resize, spec):
     root = _copy(tmp_path / "repo")
     folder = root / "preregistration" / "amendment-5"
     document = folder / "amendment.yaml"
@@ -200,7 +206,8 @@ def test_reuse_population_timing_power_design_on_the_draft(tmp_path, resize):
                    check=True, capture_output=True, text=True)
     measured = yaml.safe_load((folder / "timing.yaml").read_text())["measured"]
     counts = {f"{k}-{m}": 1 for m in population["models"] for k in ("qa", "oracle", "streaming")}
-    smoke_cells = resize.smoke_configuration_cells(population, counts, {k: 9601 for k in ("qa", "oracle", "streaming")})
+    smoke_cells = resize.configuration_cells(population, counts, {k: 9601 for k in ("qa", "oracle", "streaming")},
+                                             resize.smoke_spec(spec))
     assert sorted(measured) == sorted(smoke_cells) and len(measured) == 2 * (4 + 4 + 1)
     assert all(m["items"] == 1 and m["per_item_median"] > 0 for m in measured.values())
 
@@ -225,16 +232,21 @@ def test_reuse_population_timing_power_design_on_the_draft(tmp_path, resize):
     assert scaled["counts"]["oracle-smollm2"] == 8
 
 
-def test_the_scorers_are_the_rules_result_over_the_registry(resize):
+def test_the_scorers_are_the_rules_result_over_the_registry(spec):
     """changes.scorers: every registered policy is a scorer (compared with a kvpress press) or left out with a
     reason; a policy registered later fails here until it is classified, before the lock."""
     from kvcert.policies import POLICIES
 
-    assert set(resize.SCORERS_5) | set(resize.SCORERS_5_LEFT_OUT) == set(POLICIES)
-    assert not set(resize.SCORERS_5) & set(resize.SCORERS_5_LEFT_OUT)
+    assert set(spec["scorers"]) | set(spec["left_out"]) == set(POLICIES)
+    assert not set(spec["scorers"]) & set(spec["left_out"])
     peers = (ROOT / "tests" / "test_peers.py").read_text() + "".join(
         p.read_text() for p in sorted((ROOT / "tests" / "peers").glob("*.py")))
-    for scorer, press in resize.SCORER_PRESSES_5.items():
+    for scorer, press in spec["scorers"].items():
         assert press in peers, f"{scorer}: kvpress's {press} is not compared in tests/test_peers.py"
         assert re.search(rf"\b{scorer}\b", peers), f"{scorer}: not named in tests/test_peers.py"
-    assert resize.ALLOCATORS_5["uniform"] == resize.SCORERS_5
+    assert spec["allocators"] == {"uniform": "scorers", "adakv": ["snapkv"], "pyramidkv": ["snapkv"]}
+    # The sidecar's scorers are the ones the locked document admits, in its order (pilot_results.scorers_admitted:
+    # "admits the twelve scorers named there (snapkv, h2o, ...)").
+    stated = " ".join(yaml.safe_load(DRAFT.read_text())["pilot_results"]["scorers_admitted"].split())
+    named = re.search(r"named there \(([^)]*)\)", stated).group(1)
+    assert list(spec["scorers"]) == [n.strip() for n in named.split(",")]

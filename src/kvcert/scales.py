@@ -351,6 +351,28 @@ def studies(scale: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def current_study(scales_dir: str | Path, scale: str = "default") -> str:
+    """The study a scale computes rather than reads as a record: its one study that is not archived (for the
+    default scale, the newest amendment's, what `make reproduce` runs). Tests and tools name the current study
+    through this, so that a new amendment moves it by editing the scale file alone."""
+    computed = [name for name, spec in studies(load_scale(scale, scales_dir)).items() if not spec["archived"]]
+    if len(computed) != 1:
+        raise ScaleError(f"{scale}.yaml: expected one study that is not archived (the current one); found "
+                         f"{', '.join(computed) or 'none'}")
+    return computed[0]
+
+
+def design_reference(scales_dir: str | Path, scale: str, study: str) -> tuple[Path, str]:
+    """(design file, dotted key of its study) that ``study`` of ``scale`` applies (``design: {file, study}``); the
+    file resolved against the scale file's folder. A study that references no design is a one-line ScaleError."""
+    path = Path(scales_dir) / f"{scale}.yaml"
+    raw = _parse_yaml(path, str(path)) or {}
+    spec = (raw.get("studies") or {}).get(study) if isinstance(raw, dict) else None
+    if not isinstance(spec, dict) or not isinstance(spec.get("design"), dict):
+        raise ScaleError(f"{path.name}: study {study}: references no design (design: {{file, study}})")
+    return (path.parent / spec["design"]["file"]).resolve(), str(spec["design"]["study"])
+
+
 # What reads an exploratory study's cells (a rule of workflow/rules/exploratory.smk each): the one-knob-at-a-time
 # sensitivity table unless the study names another.
 EXPLORATORY_ANALYSES = ("sensitivity", "certified_budgets", "accuracy")

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import yaml
 
+from kvcert.analysis.registry import methods, register_method
 from kvcert.atomic import write_text_atomic
 
 COLUMNS = ["round", "model", "family", "task", "n_run", "n_correct", "accuracy", "passed", "curtailed", "cpu_s_per_item",
@@ -55,6 +56,59 @@ def shown_path(path: Path) -> str:
     repo = Path(__file__).resolve().parents[2]
     path = Path(path).resolve()
     return str(path.relative_to(repo)) if path.is_relative_to(repo) else str(path)
+
+
+# --- an amendment's data: its document, and for a locked document that states some keys in words only, its sidecar ---
+
+SIDECAR = "spec.yaml"
+
+
+def _sidecar_of(document: Path) -> tuple[Path, Path]:
+    """(sidecar, lock) of an amendment document: a folder amendment's (amendment-N/amendment.yaml) sit beside it, an
+    indexed one's (amendment-N.yaml) are amendment-N/spec.yaml and amendment-N.lock."""
+    document = Path(document)
+    if document.name == "amendment.yaml":
+        return document.parent / SIDECAR, document.parent / "amendment.lock"
+    return document.with_suffix("") / SIDECAR, document.with_suffix(".lock")
+
+
+def _fill(doc: dict, extra: dict, where: str, path: str = "") -> dict:
+    """``doc`` with the keys of ``extra`` it lacks (mappings merged key by key); a key both state is an error."""
+    out = dict(doc)
+    for key, value in extra.items():
+        here = f"{path}{key}"
+        if key not in out:
+            out[key] = value
+        elif isinstance(out[key], dict) and isinstance(value, dict):
+            out[key] = _fill(out[key], value, where, here + ".")
+        else:
+            raise SystemExit(f"{where}: {here}: the document states it; a sidecar only fills keys the locked "
+                             "document lacks")
+    return out
+
+
+def amendment_data(document: Path) -> dict:
+    """An amendment's document as data: the YAML itself, and, where the document is locked and lacks keys that a
+    later rule reads (its plan, its power targets), the keys its sidecar (``SIDECAR``) states. A draft states them
+    itself: a sidecar beside a draft is an error, so the sidecar never stands in for the locked text."""
+    document = Path(document)
+    try:
+        doc = yaml.safe_load(document.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise SystemExit(f"{shown_path(document)}: unreadable: {str(error).splitlines()[0]}")
+    if not isinstance(doc, dict):
+        raise SystemExit(f"{shown_path(document)}: expected a mapping (an amendment document)")
+    sidecar, lock = _sidecar_of(document)
+    if not sidecar.is_file():
+        return doc
+    where = shown_path(sidecar)
+    if not lock.is_file():
+        raise SystemExit(f"{where}: beside a document without a lock ({shown_path(lock)}): a draft states its "
+                         "plan and power targets in the document itself")
+    extra = yaml.safe_load(sidecar.read_text())
+    if not isinstance(extra, dict):
+        raise SystemExit(f"{where}: expected a mapping of the document's missing keys")
+    return _fill(doc, extra, where)
 
 
 def _label(variant) -> str:
@@ -425,6 +479,7 @@ def run_variant(model, tokenizer, variant, pilot: dict) -> dict:
             "cpu_s_per_item": round(cpu / run, 3), "prompt_tokens_mean": round(sum(tokens) / len(tokens), 1)}
 
 
+@register_method("pilot", "threshold")
 def pilot_threshold(args, pilot: dict) -> None:
     import torch
 
@@ -460,6 +515,7 @@ def smoke_pilot(pilot: dict) -> dict:
     return out
 
 
+@register_method("pilot", "staged", steps="per_model")
 def staged_pilot(args, pilot: dict) -> None:
     """Stages A-D on one model (amendment 4's method), or its smoke version (``--smoke``)."""
     pilot_staged(Runner(args.model, smoke_pilot(pilot) if args.smoke else pilot, args.threads), args.out)
@@ -493,21 +549,23 @@ def reused_population(document: Path, pilot: dict) -> dict:
             "models": {m: found["models"][m] for m in models}}
 
 
+@register_method("pilot", "reuse_population", steps="whole")
 def reuse_population(args, pilot: dict) -> None:
     """Amendment 5's method: an earlier amendment's locked population, reused (no stage runs)."""
     doc = reused_population(args.amendment, pilot)
     write_text_atomic(yaml.safe_dump(doc, sort_keys=False, width=110), args.out)
 
 
-# The pilot methods, by the name a version's data gives (kvcert.analysis.prereg.Version.pilot): `threshold`
-# (amendment 2: variants in order until one passes a threshold), `staged` (amendment 4: stages A-D) and
-# `reuse_population` (amendment 5: a locked population, no stage).
-PILOTS = {"threshold": pilot_threshold, "staged": staged_pilot, "reuse_population": reuse_population}
-# How workflow/rules/design.smk obtains an amendment's population.yaml from each method: `per_model` runs the
-# method once per model (pilot-<model>.csv) and then `choose` (pilot.csv and population.yaml); `whole` writes
-# population.yaml in one step and no pilot rows. A method not named here (threshold: amendment 2 chose its
-# population by hand) is not run by the workflow.
-POPULATION_STEPS = {"staged": "per_model", "reuse_population": "whole"}
+# The pilot methods, by the name a version's data gives (kvcert.analysis.prereg.Version.pilot), as registered above
+# (kvcert.analysis.registry, kind "pilot"): `threshold` (variants in order until one passes a threshold), `staged`
+# (stages A-D) and `reuse_population` (a locked population, no stage). A new pilot rule is one more registered
+# function.
+PILOTS = methods("pilot")
+# How workflow/rules/design.smk obtains an amendment's population.yaml from each method (its ``steps``):
+# `per_model` runs the method once per model (pilot-<model>.csv) and then `choose` (pilot.csv and population.yaml);
+# `whole` writes population.yaml in one step and no pilot rows. A method without steps (threshold: amendment 2 chose
+# its population by hand) is not run by the workflow.
+POPULATION_STEPS = {name: fn.steps for name, fn in PILOTS.items() if getattr(fn, "steps", None)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -528,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.model is None and POPULATION_STEPS.get(args.method) != "whole":
         parser.error(f"--method {args.method} needs --model")
-    PILOTS[args.method](args, yaml.safe_load(args.amendment.read_text())["pilot"])
+    PILOTS[args.method](args, amendment_data(args.amendment)["pilot"])
     return 0
 
 
@@ -539,7 +597,7 @@ def choose_main(argv: list[str]) -> int:
     parser.add_argument("--csv", type=Path, required=True, help="all rows, one file (the amendment's pilot.csv)")
     parser.add_argument("--out", type=Path, required=True, help="the population (YAML)")
     args = parser.parse_args(argv)
-    pilot = yaml.safe_load(args.amendment.read_text())["pilot"]
+    pilot = amendment_data(args.amendment)["pilot"]
     rows = read_rows(args.pilot)
     models = list(dict.fromkeys(r["model"] for r in rows))
     missing = [m for m in pilot["models"] if m not in models]

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import yaml
 
+from kvcert.analysis.registry import methods, register_method
+
 Z = 1.959964
 SETTING = {"c1": "question_aware", "c2": "question_aware", "c3": "question_aware", "c4": "question_aware",
            "c5": "question_aware", "c6": "streaming", "c7": "streaming"}
@@ -163,6 +165,7 @@ def amendment4(claims_dirs: dict[str, Path], rows: list[dict], population: dict,
                           "streaming": math.ceil(n_streaming / len(population["models"]))}}
 
 
+@register_method("power", "version_1_span")
 def version_1_span(args, parser) -> str:
     """Amendments 2 and 3's method: version 1's variances at planned item counts."""
     if args.v1_claims is None or args.n_qa is None or args.n_streaming is None:
@@ -170,6 +173,7 @@ def version_1_span(args, parser) -> str:
     return yaml.safe_dump(analysis(args.v1_claims, args.span, args.n_qa, args.n_streaming), sort_keys=False, width=110)
 
 
+@register_method("power", "studies_span_targets")
 def studies_span_targets(args, parser) -> str:
     """Amendment 4's method: every named study's variances, the amendment's span targets and the pilot's class rates."""
     missing = [f"--{k}" for k in ("amendment", "pilot", "population") if getattr(args, k) is None]
@@ -177,7 +181,7 @@ def studies_span_targets(args, parser) -> str:
         missing += [] if args.studies else ["--studies"]
         parser.error(f"--method studies_span_targets needs {', '.join(missing)}")
     pilot = _pilot()
-    targets = yaml.safe_load(args.amendment.read_text())["power"]["span_targets"]
+    targets = pilot.amendment_data(args.amendment)["power"]["span_targets"]
     studies = dict(item.split("=", 1) for item in args.studies)
     doc = amendment4({s: Path(d) for s, d in studies.items()}, pilot.read_rows([args.pilot]),
                      yaml.safe_load(args.population.read_text()), targets)
@@ -186,10 +190,9 @@ def studies_span_targets(args, parser) -> str:
 
 # --- amendment 5: a span per component, from every committed study's C2 and C3 intervals -------------------------
 
-# The rule's numbers, as amendment 5's power.rule states them in words.
-C2_SPAN_POINTS = 4.0
-C3_SPANS = {"coverage": 0.02, "spearman": 0.05}
-ORACLE_FLOOR_PER_MODEL = 8
+# The rule's numbers are the amendment's data (power.span_targets: c2_points, c3_spans, oracle_floor_per_model);
+# amendment 5's locked document states them in words (power.rule) and its sidecar as data.
+SPAN_TARGET_KEYS = ("c2_points", "c3_spans", "oracle_floor_per_model")
 
 
 def c3_items(claims_dirs: dict[str, Path], spans: dict[str, float]) -> dict:
@@ -226,41 +229,48 @@ def amended_streaming(document: Path) -> dict:
             "c6_floor_items": int(design["c6_min_streaming_items"])}
 
 
-def per_component(claims_dirs: dict[str, Path], models: list[str], streaming: dict) -> dict:
-    """Amendment 5's power.yaml: n_c2, n_c3 and the amended version's streaming sizes, pooled and per model."""
-    c2 = items_for_span(claims_dirs, ("c2",), C2_SPAN_POINTS)
-    c3 = c3_items(claims_dirs, C3_SPANS)
+def per_component(claims_dirs: dict[str, Path], models: list[str], streaming: dict, targets: dict) -> dict:
+    """Amendment 5's power.yaml: n_c2, n_c3 and the amended version's streaming sizes, pooled and per model.
+    targets: the amendment's power.span_targets (c2_points, c3_spans {coverage, spearman}, oracle_floor_per_model)."""
+    c2_span = float(targets["c2_points"])
+    c2 = items_for_span(claims_dirs, ("c2",), c2_span)
+    c3 = c3_items(claims_dirs, {k: float(v) for k, v in targets["c3_spans"].items()})
     per = len(models)
     per_model = {"question_aware": math.ceil(c2["items"] / per),
-                 "oracle": max(ORACLE_FLOOR_PER_MODEL, math.ceil(c3["items"] / per)),
+                 "oracle": max(int(targets["oracle_floor_per_model"]), math.ceil(c3["items"] / per)),
                  "streaming": streaming["streaming_items_per_model"],
                  "streaming_c6_floor": math.ceil(streaming["c6_floor_items"] / per)}
     return {"formula": "sd = width * sqrt(n) / (2 * 1.96); n = ceil((2 * 1.96 * sd_max / span)^2); C2 span 4 points; "
                        "C3 spans 0.02 (coverage) and 0.05 (spearman), at least 8 oracle items per model; per model "
                        "ceil(n / models)",
             "studies": {s: _pilot().shown_path(d) for s, d in claims_dirs.items()}, "models": models,
-            "c2": {**c2, "span": C2_SPAN_POINTS}, "c3": c3, "c6_c7": streaming,
+            "c2": {**c2, "span": c2_span}, "c3": c3, "c6_c7": streaming,
             "question_aware_items": per_model["question_aware"] * per, "oracle_items": per_model["oracle"] * per,
             "streaming_items": per_model["streaming"] * per, "per_model": per_model}
 
 
+@register_method("power", "per_component_span")
 def per_component_span(args, parser) -> str:
     """Amendment 5's method: every named study's C2 and C3 variances; C6 and C7 as the amended version sized them."""
     if args.amendment is None or not args.studies:
         parser.error("--method per_component_span needs --amendment and --studies")
-    doc = yaml.safe_load(args.amendment.read_text())
+    doc = _pilot().amendment_data(args.amendment)
     named = list(doc["power"].get("studies") or [])
     studies = dict(item.split("=", 1) for item in args.studies)
     if named and list(studies) != named:
         parser.error(f"--studies {' '.join(studies)}: the amendment's power.studies are {' '.join(named)}")
+    targets = doc["power"].get("span_targets")
+    missing = [k for k in SPAN_TARGET_KEYS if not isinstance(targets, dict) or k not in targets]
+    if missing:
+        raise SystemExit(f"{_pilot().shown_path(args.amendment)}: power.span_targets lacks {', '.join(missing)}")
     out = per_component({s: Path(d) for s, d in studies.items()}, list(doc["pilot"]["models"]),
-                        amended_streaming(args.amendment))
+                        amended_streaming(args.amendment), targets)
     return yaml.safe_dump(out, sort_keys=False, width=110)
 
 
-# The power methods, by the name a version's data gives (kvcert.analysis.prereg.Version.power).
-METHODS = {"version_1_span": version_1_span, "studies_span_targets": studies_span_targets,
-           "per_component_span": per_component_span}
+# The power methods, by the name a version's data gives (kvcert.analysis.prereg.Version.power), as registered above
+# (kvcert.analysis.registry, kind "power"); a new power rule is one more registered function.
+METHODS = methods("power")
 
 
 def main(argv: list[str] | None = None) -> int:

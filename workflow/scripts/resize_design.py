@@ -14,6 +14,8 @@ time, and rounded down. Reads times only: no item table, answer or verdict.
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import math
 import statistics
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from kvcert.analysis.registry import method, register_method
 from kvcert.atomic import write_text_atomic
 
 
@@ -59,14 +62,16 @@ def resize(cells: dict[str, dict], budget_seconds: float, keep: tuple[str, ...])
             "estimated_cell_seconds": round(estimate), "budget_cell_seconds": round(budget_seconds)}
 
 
-# --- amendment 4: the planned cells, their timing run and the design ---------------------------------------------
+# --- an amendment's design from its data: the cell plan and the rule that sizes it, by name ---------------------------
+#
+# An amendment's data (its document, or for a locked document that states them in words only, its sidecar: pilot.py's
+# amendment_data) names a cell plan (``plan.method``) and a design rule (``plan.design``), and gives the plan's
+# factors (``plan.scorers``, ``plan.allocators``, ``plan.factors``, ``plan.budgets``, ...). Both are registered
+# functions (kvcert.analysis.registry, kinds "plan" and "design"): a new plan or rule is one registered function, and a
+# new study of an existing plan is data only.
 
-# Amendment 2's oracle cells (C3's step tables), kept by amendment 4, whose document states them in prose only; a
-# later amendment states its own as data (power.oracle_items: {model: items}).
-ORACLE_ITEMS = {"smollm2": 30, "gemma3": 16}
-ITEMS_PER_SHARD = 35  # about v3's shards (206 items in 6): a lost shard costs little, shards balance two cores
 KINDS = ("qa", "oracle", "streaming")
-MIN_QA_ITEMS = 100  # question-aware items (pooled) C6's streaming floor must leave in the scaled design
+PLAN_KEYS = ("method", "design", "items_per_shard", "scorers", "budgets", "poisson_seeds", "streaming")
 
 
 def _flow(value) -> str:
@@ -78,41 +83,206 @@ def _flow(value) -> str:
     return str(value)
 
 
-def planned_cells(population: dict, counts: dict[str, int], seeds: dict[str, int]) -> dict[str, dict]:
-    """Scale-file cells (name -> {model, shards, overrides}) of amendment 4's design: per model a question-aware,
-    an oracle and a streaming cell with amendment 2's configurations, the model's tasks, SnapKV window and kernel.
+def _g(value) -> str:
+    """A factor value as a cell name and an override write it: 0.8, 0.95, 1."""
+    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def plan_of(doc: dict, where: str) -> dict:
+    """The amendment's ``plan`` mapping, checked: its method and design rule registered, its keys present."""
+    plan = doc.get("plan")
+    if not isinstance(plan, dict):
+        raise SystemExit(f"{where}: plan: missing; an amendment names its cell plan (plan.method), its design rule "
+                         "(plan.design) and its factors")
+    missing = [k for k in PLAN_KEYS if k not in plan]
+    if missing:
+        raise SystemExit(f"{where}: plan lacks {', '.join(missing)}")
+    try:
+        method("plan", plan["method"], f"{where}: plan.method")
+        method("design", plan["design"], f"{where}: plan.design")
+    except Exception as error:  # kvcert.analysis.errors.AnalysisError: one line
+        raise SystemExit(str(error)) from None
+    if not isinstance(plan["scorers"], (dict, list)) or not plan["scorers"]:
+        raise SystemExit(f"{where}: plan.scorers={plan['scorers']!r}: expected scorer names (or scorer: press)")
+    return plan
+
+
+def _pooling(scorer: str) -> bool:
+    """Whether a scorer pools its scores with a kernel (a ``kernel_size`` option): the population's K applies."""
+    import dataclasses as dc
+
+    from kvcert.policies import POLICIES
+
+    if scorer not in POLICIES:
+        raise SystemExit(f"plan.scorers: {scorer!r} is not a registered policy; known: {', '.join(sorted(POLICIES))}")
+    return "kernel_size" in {f.name for f in dc.fields(POLICIES[scorer])}
+
+
+def _pooled(scorers, kernel) -> dict:
+    return {s: {"kernel_size": kernel} for s in scorers if _pooling(s)}
+
+
+def _shards(spec: dict, n: int) -> int:
+    return max(1, math.ceil(n / int(spec["items_per_shard"])))
+
+
+@register_method("plan", "cell_per_kind")
+def planned_cells(population: dict, counts: dict[str, int], seeds: dict[str, int], spec: dict) -> dict[str, dict]:
+    """Scale-file cells (name -> {model, shards, overrides}), one per (kind, model): the plan's scorers, Poisson
+    seeds and budgets at the model's tasks, SnapKV window and kernel; the oracle cells add ``oracle_extra_grids``.
 
     counts: items per cell name (e.g. "qa-smollm2"); seeds: data seeds {"qa": .., "oracle": .., "streaming": ..}.
     """
+    scorers = list(spec["scorers"])
     out = {}
     for model, chosen in population["models"].items():
-        knobs = [f"observation_window={chosen['window']}", f"policy_options={{snapkv:{{kernel_size:{chosen['kernel']}}}}}",
-                 "policies=[snapkv]", "seeds=[0,1,2]"]
+        knobs = [f"observation_window={chosen['window']}", f"policy_options={_flow(_pooled(scorers, chosen['kernel']))}",
+                 f"policies={_flow(scorers)}", f"seeds={_flow(list(spec['poisson_seeds']))}"]
         for kind in KINDS:
             name = f"{kind}-{model}"
             tasks = chosen["streaming"] if kind == "streaming" else chosen["question_aware"]
-            grid = (["setting=streaming", "designs=[poisson]", "budgets=[0.25]", "oracle=false", "store_steps=false"]
+            grid = (["setting=streaming", "designs=[poisson]", f"budgets={_flow(list(spec['streaming']['budgets']))}",
+                     "oracle=false", "store_steps=false"]
                     if kind == "streaming" else
-                    ["setting=question_aware", "designs=[topk,poisson]", "budgets=[0.25,0.5]"]
-                    + (["extra_grids=[{policies:[uniform],designs:[poisson],budgets:[0.25]}]", "oracle=true"]
+                    ["setting=question_aware", "designs=[topk,poisson]", f"budgets={_flow(list(spec['budgets']))}"]
+                    + ([f"extra_grids={_flow(list(spec.get('oracle_extra_grids') or []))}", "oracle=true"]
                        if kind == "oracle" else ["oracle=false", "store_steps=false"]))
-            out[name] = {"model": model, "shards": max(1, math.ceil(counts[name] / ITEMS_PER_SHARD)),
+            out[name] = {"model": model, "shards": _shards(spec, counts[name]),
                          "overrides": ["data=ruler", f"data.tasks={_flow(tasks)}", f"data.seed={seeds[kind]}",
                                        *knobs, f"n_items={counts[name]}", *grid]}
     return out
 
 
-def time_cells(population: dict, out_dir: Path, n_items: int, seed: int, cores: int, plan=None) -> Path:
-    """Run every planned cell on ``n_items`` pilot items (data seed ``seed``), ``cores`` cells at a time with one
-    thread each, as `make reproduce` runs them; returns ``out_dir`` (one shard-0 per cell, read by ``measured``).
-    Only the manifests' wall seconds are read; the answers are not."""
+def allocators_of(spec: dict) -> dict[str, tuple[str, ...]]:
+    """{allocator: the scorers it runs over}; ``scorers`` (the word) stands for every scorer of the plan."""
+    scorers = tuple(spec["scorers"])
+    found = spec.get("allocators") or {_default("allocator"): "scorers"}
+    return {a: scorers if over == "scorers" else tuple(over) for a, over in found.items()}
+
+
+def _default(key: str):
+    """The run schema's default of an override key (``allocator``, ``design_options.<name>``): a cell at it omits the
+    override, as the committed cells were run."""
+    import dataclasses as dc
+
+    from kvcert.run_schema import DesignOptions, RunConfig
+
+    owner, name = (DesignOptions, key.split(".", 1)[1]) if key.startswith("design_options.") else (RunConfig, key)
+    for field in dc.fields(owner):
+        if field.name == name:
+            return field.default
+    raise SystemExit(f"plan.factors: override {key}: not a key of the run configuration")
+
+
+def factors_of(spec: dict, population: dict) -> list[dict]:
+    """The plan's cell factors, each {override, label, values, default}; a value "population:<key>" is read from
+    the population (a pilot rule's choice, e.g. population:chosen.tail_mix); ``default`` is the run schema's."""
+    out = []
+    for i, factor in enumerate(spec.get("factors") or []):
+        where = f"plan.factors[{i}]"
+        if not isinstance(factor, dict) or not {"override", "label", "values"} <= set(factor):
+            raise SystemExit(f"{where}={factor!r}: expected {{override, label, values}}")
+        default = _default(str(factor["override"]))
+        if "default" in factor and factor["default"] != default:
+            raise SystemExit(f"{where}.default={factor['default']!r}: the run schema's default of "
+                             f"{factor['override']} is {default!r}")
+        values = []
+        for value in factor["values"]:
+            if isinstance(value, str) and value.startswith("population:"):
+                found = population
+                for part in value.removeprefix("population:").split("."):
+                    if not isinstance(found, dict) or part not in found:
+                        raise SystemExit(f"{where}.values: {value}: not in the population")
+                    found = found[part]
+                value = found
+            values.append(value)
+        out.append({"override": str(factor["override"]), "label": str(factor["label"]), "values": values,
+                    "default": default})
+    return out
+
+
+@register_method("plan", "cell_per_configuration")
+def configuration_cells(population: dict, counts: dict[str, int], seeds: dict[str, int], spec: dict) -> dict[str, dict]:
+    """Scale-file cells of a design per configuration. Per model: the question-aware and oracle cell types, each one
+    cell per (allocator, values of the plan's factors) because a cell runs one allocator and one value of each
+    factor (e.g. design_options.head_fraction); and the streaming cell, the plan's ``streaming`` scorer and budgets.
+    Top-k runs only in the cell where every factor is at its default (it has no sampled tail): the reference of
+    Poisson at every value. The oracle cells run Poisson only (C3). Every cell of a type has the same items (data
+    seed and count), so the configurations pair per item across cells.
+
+    A cell is named <kind>-<model>, then -<allocator> unless the default, then -<label><value> per factor not at
+    its default (e.g. qa-smollm2-adakv-share0.8). The analysis tells configurations apart by the tables' columns
+    (allocator, head_fraction, ...), a missing one read as the default. The timing cells read times only.
+    counts: items per cell *type* ("qa-smollm2", "oracle-smollm2", "streaming-smollm2"); seeds: data seeds by kind.
+    """
+    allocators = allocators_of(spec)
+    factors = factors_of(spec, population)
+    default_allocator = _default("allocator")
+    seed_list = _flow(list(spec["poisson_seeds"]))
+    budgets = _flow(list(spec["budgets"]))
+    out = {}
+    for model, chosen in population["models"].items():
+        window, kernel = chosen["window"], chosen["kernel"]
+        for kind in ("qa", "oracle"):
+            data = ["data=ruler", f"data.tasks={_flow(chosen['question_aware'])}", f"data.seed={seeds[kind]}",
+                    f"n_items={counts[f'{kind}-{model}']}"]
+            for allocator, over in allocators.items():
+                for values in itertools.product(*(f["values"] for f in factors)):
+                    off = [(f, v) for f, v in zip(factors, values) if v != f["default"]]
+                    designs = ["poisson"] if kind == "oracle" or off else ["topk", "poisson"]
+                    pooled = _pooled(over, kernel)
+                    name = (f"{kind}-{model}" + (f"-{allocator}" if allocator != default_allocator else "")
+                            + "".join(f"-{f['label']}{_g(v)}" for f, v in off))
+                    out[name] = {"model": model, "kind": kind, "shards": _shards(spec, counts[f"{kind}-{model}"]),
+                                 "overrides": [
+                                     *data, f"observation_window={window}",
+                                     *([f"policy_options={_flow(pooled)}"] if pooled else []),
+                                     f"policies={_flow(list(over))}", f"seeds={seed_list}",
+                                     *([f"allocator={allocator}"] if allocator != default_allocator else []),
+                                     *(f"{f['override']}={_g(v)}" for f, v in off),
+                                     "setting=question_aware", f"designs={_flow(designs)}", f"budgets={budgets}",
+                                     *(["oracle=true"] if kind == "oracle" else ["oracle=false", "store_steps=false"])]}
+        n = counts[f"streaming-{model}"]
+        scorer = spec["streaming"]["scorer"]
+        pooled = _pooled([scorer], kernel)
+        out[f"streaming-{model}"] = {
+            "model": model, "kind": "streaming", "shards": _shards(spec, n),
+            "overrides": ["data=ruler", f"data.tasks={_flow(chosen['streaming'])}", f"data.seed={seeds['streaming']}",
+                          f"n_items={n}", f"observation_window={window}",
+                          *([f"policy_options={_flow(pooled)}"] if pooled else []), f"policies=[{scorer}]",
+                          f"seeds={seed_list}", "setting=streaming", "designs=[poisson]",
+                          f"budgets={_flow(list(spec['streaming']['budgets']))}", "oracle=false", "store_steps=false"]}
+    return out
+
+
+def smoke_spec(spec: dict) -> dict:
+    """The plan on almost nothing, to prove every cell kind runs (its times size nothing): two scorers, the first two
+    allocators over those scorers (or their own first), each factor's first and last value, one Poisson seed."""
+    scorers = list(spec["scorers"])[:2]
+    allocators = {}
+    for allocator, over in list(allocators_of(spec).items())[:2]:
+        allocators[allocator] = [s for s in over if s in scorers] or list(over[:1])
+    factors = [{**f, "values": list(dict.fromkeys([f["values"][0], f["values"][-1]]))} for f in spec.get("factors") or []]
+    return {**spec, "scorers": scorers, "allocators": allocators, "factors": factors,
+            "poisson_seeds": list(spec["poisson_seeds"])[:1]}
+
+
+def cell_type(name: str) -> str:
+    """The cell type of a configuration cell's name: "qa-smollm2-adakv-share0.8" -> "qa-smollm2"."""
+    return "-".join(name.split("-")[:2])
+
+
+def time_cells(population: dict, out_dir: Path, n_items: int, seed: int, cores: int, plan) -> Path:
+    """Run every cell of ``plan`` (a function of population, counts and seeds) on ``n_items`` pilot items (data seed
+    ``seed``), ``cores`` cells at a time with one thread each, as `make reproduce` runs them; returns ``out_dir`` (one
+    shard-0 per cell, read by ``measured``). Only the manifests' wall seconds are read; the answers are not."""
     import shutil
     import subprocess
     import sys
     from concurrent.futures import ThreadPoolExecutor
 
     counts = {f"{kind}-{model}": n_items for model in population["models"] for kind in KINDS}
-    cells = (plan or planned_cells)(population, counts, {kind: seed for kind in KINDS})
+    cells = plan(population, counts, {kind: seed for kind in KINDS})
     command = [str(Path(sys.executable).with_name("kvcert-run"))]
 
     def run(item):
@@ -134,17 +304,21 @@ def time_cells(population: dict, out_dir: Path, n_items: int, seed: int, cores: 
 
 
 def design(population: dict, power: dict, timing: dict[str, dict], budget_seconds: float, seeds: dict[str, int],
-           c6_min_items: int, *, prereg: int, oracle_items: dict[str, int] | None = None) -> dict:
+           c6_min_items: int, *, prereg: int, oracle_items: dict[str, int], spec: dict, plan=planned_cells) -> dict:
     """The powered design and, when it does not fit the budget, the scaled one (``resize``'s rule); each
-    streaming cell keeps at least ``c6_min_items`` / number of models items (C6's failing runs per class);
-    ``prereg``: the version the studies apply (the amendment document's ``version``)."""
+    streaming cell keeps at least ``c6_min_items`` / number of models items (C6's failing runs per class) if that
+    leaves the question-aware cells ``spec["min_qa_items"]`` pooled; ``prereg``: the version the studies apply (the
+    amendment document's ``version``); ``oracle_items``: {model: items} of the oracle cells, kept."""
     models = list(population["models"])
     per_model = power["per_model"]
+    cells_of = functools.partial(plan, spec=spec)
     full = {}
     for model in models:
+        if model not in oracle_items:
+            raise SystemExit(f"power.oracle_items: no count for model {model}")
         full[f"qa-{model}"] = per_model["question_aware"]
         full[f"streaming-{model}"] = per_model["streaming"]
-        full[f"oracle-{model}"] = int((oracle_items or ORACLE_ITEMS).get(model, 16))
+        full[f"oracle-{model}"] = int(oracle_items[model])
     cost = {c: timing[c]["per_item_median"] for c in full}
     cells = {c: {"items": n, "seconds": n * cost[c], "per_item_median": cost[c]} for c, n in full.items()}
     scaled = resize(cells, budget_seconds, keep=("oracle",))
@@ -152,7 +326,7 @@ def design(population: dict, power: dict, timing: dict[str, dict], budget_second
     floor = math.ceil(c6_min_items / len(models))
     if any(scaled["counts"][f"streaming-{m}"] < min(floor, full[f"streaming-{m}"]) for m in models):
         # The streaming cells keep C6's minimum and the question-aware cells take what is left, if that leaves
-        # them MIN_QA_ITEMS; otherwise the uniform scaling stands and only the powered study meets C6's count.
+        # them min_qa_items; otherwise the uniform scaling stands and only the powered study meets C6's count.
         floored = dict(cells)
         for m in models:
             n = min(floor, full[f"streaming-{m}"])
@@ -161,116 +335,37 @@ def design(population: dict, power: dict, timing: dict[str, dict], budget_second
         fixed = sum(e["seconds"] for c, e in floored.items() if c.startswith(("oracle", "streaming")))
         if fixed < budget_seconds:
             attempt = resize(floored, budget_seconds, keep=("oracle", "streaming"))
-            if sum(n for c, n in attempt["counts"].items() if c.startswith("qa")) >= MIN_QA_ITEMS:
+            if sum(n for c, n in attempt["counts"].items() if c.startswith("qa")) >= int(spec["min_qa_items"]):
                 scaled = {**attempt, "c6_floor_kept": True}
     out = {"powered": {"counts": full, "estimated_cell_seconds": round(sum(full[c] * cost[c] for c in full)),
-                       "study": {"prereg": prereg, "cells": planned_cells(population, full, seeds)}},
-           "reproduce_90_minutes": {**scaled, "study": {"prereg": prereg, "cells": planned_cells(population, scaled["counts"], seeds)}}}
+                       "study": {"prereg": prereg, "cells": cells_of(population, full, seeds)}},
+           "reproduce_90_minutes": {**scaled, "study": {"prereg": prereg, "cells": cells_of(population, scaled["counts"], seeds)}}}
     out["fits"] = scaled["factor"] >= 1.0 and all(scaled["counts"][c] >= full[c] for c in full)
     return out
 
 
-# --- amendment 5: every scorer, allocator and certain-head share, one cell per (allocator, share) -----------------
-
-# Amendment 5's factors (changes.scorers, changes.allocators, changes.certain_head_share). The scorers are the rule's
-# result at the lock commit: every kvcert policy that tests/test_peers.py compares with a kvpress 0.5.5 press (the
-# press named here; where the definitions differ the test states and checks the difference) and that needs no
-# trained weights. tests/test_amendment5_design.py checks that every registered policy is here or in
-# SCORERS_5_LEFT_OUT with its reason, and that every scorer's press is compared in tests/test_peers.py.
-SCORER_PRESSES_5 = {"snapkv": "SnapKVPress", "h2o": "ObservedAttentionPress", "tova": "TOVAPress",
-                    "knorm": "KnormPress", "expected_attention": "ExpectedAttentionPress",
-                    "criticalkv": "CriticalKVPress", "observed_attention": "ObservedAttentionPress",
-                    "keydiff": "KeyDiffPress", "lagkv": "LagKVPress", "cur": "CURPress",
-                    "leverage": "LeverageScorePress", "cap": "CapPress"}
-SCORERS_5 = tuple(SCORER_PRESSES_5)
-SCORERS_5_LEFT_OUT = {
-    "streamingllm": "keeps sinks and the recent window by position: top-k of a position rule is the rule itself",
-    "uniform": "samples every token alike: it ranks nothing, so it has no top-k to compare with"}
-# Allocator -> the scorers it runs over (AdaKV and PyramidKV over snapkv only: the amendment's cost argument).
-ALLOCATORS_5 = {"uniform": SCORERS_5, "adakv": ("snapkv",), "pyramidkv": ("snapkv",)}
-SHARES_5 = (0.5, 0.8, 0.95)
-DEFAULT_SHARE, DEFAULT_ALLOCATOR = 0.5, "uniform"  # kvcert.run_schema' head_fraction and allocator
-
-
-def _pooling(scorer: str) -> bool:
-    """Whether a scorer pools its scores with a kernel (a ``kernel_size`` option): the population's K applies."""
-    import dataclasses as dc
-
-    from kvcert.policies import POLICIES
-
-    return "kernel_size" in {f.name for f in dc.fields(POLICIES[scorer])}
-
-
-def configuration_cells(population: dict, counts: dict[str, int], seeds: dict[str, int], *,
-                        scorers=SCORERS_5, allocators=None, shares=SHARES_5, poisson_seeds=(0, 1, 2)) -> dict[str, dict]:
-    """Scale-file cells of amendment 5's design. Per model: the question-aware and oracle cell types, each one
-    cell per (allocator, share) because a cell runs one allocator and one design_options.head_fraction; and the
-    streaming cell, amendment 4's. Top-k does not depend on the share: it runs in the share-0.5 cell only, the
-    reference of Poisson at every share. The oracle cells run Poisson only (C3). Every cell of a type has the same
-    items (data seed and count), so the configurations pair per item across cells.
-
-    A cell is named <kind>-<model>, then -<allocator> unless uniform, then -share<h> unless 0.5.
-    The analysis (kvcert.analysis.strata) tells configurations apart by the tables' allocator and head_fraction
-    columns, a missing one read as the default: a study of these cells needs a runner that writes head_fraction
-    (items and steps) and allocator (steps) for a cell off the default. The timing cells read times only.
-    counts: items per cell *type* ("qa-smollm2", "oracle-smollm2", "streaming-smollm2"); seeds: data seeds by kind.
-    """
-    allocators = ALLOCATORS_5 if allocators is None else allocators
-    seed_list = "[" + ",".join(map(str, poisson_seeds)) + "]"
-    out = {}
-    for model, chosen in population["models"].items():
-        window, kernel = chosen["window"], chosen["kernel"]
-        for kind in ("qa", "oracle"):
-            data = ["data=ruler", f"data.tasks={_flow(chosen['question_aware'])}", f"data.seed={seeds[kind]}",
-                    f"n_items={counts[f'{kind}-{model}']}"]
-            for allocator, over in allocators.items():
-                for share in shares:
-                    designs = ["poisson"] if kind == "oracle" or share != DEFAULT_SHARE else ["topk", "poisson"]
-                    pooled = {s: {"kernel_size": kernel} for s in over if _pooling(s)}
-                    name = (f"{kind}-{model}" + (f"-{allocator}" if allocator != DEFAULT_ALLOCATOR else "")
-                            + (f"-share{share:g}" if share != DEFAULT_SHARE else ""))
-                    out[name] = {"model": model, "kind": kind,
-                                 "shards": max(1, math.ceil(counts[f"{kind}-{model}"] / ITEMS_PER_SHARD)),
-                                 "overrides": [
-                                     *data, f"observation_window={window}",
-                                     *([f"policy_options={_flow(pooled)}"] if pooled else []),
-                                     f"policies={_flow(list(over))}", f"seeds={seed_list}",
-                                     *([f"allocator={allocator}"] if allocator != DEFAULT_ALLOCATOR else []),
-                                     *([f"design_options.head_fraction={share:g}"] if share != DEFAULT_SHARE else []),
-                                     "setting=question_aware", f"designs={_flow(designs)}", "budgets=[0.25,0.5]",
-                                     *(["oracle=true"] if kind == "oracle" else ["oracle=false", "store_steps=false"])]}
-        n = counts[f"streaming-{model}"]
-        out[f"streaming-{model}"] = {
-            "model": model, "kind": "streaming", "shards": max(1, math.ceil(n / ITEMS_PER_SHARD)),
-            "overrides": ["data=ruler", f"data.tasks={_flow(chosen['streaming'])}", f"data.seed={seeds['streaming']}",
-                          f"n_items={n}", f"observation_window={window}",
-                          f"policy_options={{snapkv:{{kernel_size:{kernel}}}}}", "policies=[snapkv]",
-                          f"seeds={seed_list}", "setting=streaming", "designs=[poisson]", "budgets=[0.25]",
-                          "oracle=false", "store_steps=false"]}
-    return out
-
-
-def smoke_configuration_cells(population: dict, counts: dict[str, int], seeds: dict[str, int]) -> dict[str, dict]:
-    """The code path of ``configuration_cells`` on almost nothing: two scorers, two allocators, the smallest and
-    largest share, one Poisson seed (proves every cell kind runs; its times size nothing)."""
-    return configuration_cells(population, counts, seeds, scorers=SCORERS_5[:2],
-                               allocators={"uniform": SCORERS_5[:2], "adakv": ("snapkv",)},
-                               shares=(SHARES_5[0], SHARES_5[-1]), poisson_seeds=(0,))
-
-
-def cell_type(name: str) -> str:
-    """The cell type of a configuration cell's name: "qa-smollm2-adakv-share0.8" -> "qa-smollm2"."""
-    return "-".join(name.split("-")[:2])
+@register_method("design", "c6_floor_then_scale")
+def c6_floor_then_scale(doc: dict, spec: dict, population: dict, power: dict, timing: dict, budget_seconds: float,
+                        seeds: dict[str, int], plan) -> dict:
+    """Amendment 4's power.budget: oracle cells kept at power.oracle_items, streaming cells at C6's minimum (the
+    design's runs per class over the pilot's rarer class rate, three Poisson runs an item) if that leaves
+    ``min_qa_items`` question-aware items, every other cell scaled by one factor."""
+    c6 = power["c6"]
+    c6_min = math.ceil(int(doc["power"]["span_targets"]["c6_design_runs_per_class"])
+                       / (3 * min(c6["p_inh"], c6["p_cache"])))
+    out = design(population, power, timing, budget_seconds, seeds, c6_min, prereg=int(doc["version"]),
+                 oracle_items=doc["power"].get("oracle_items") or {}, spec=spec, plan=plan)
+    return {"rule": f"amendment {doc['version']}'s power.budget", "c6_min_streaming_items": c6_min, **out}
 
 
 def design_per_configuration(population: dict, power: dict, timing: dict[str, dict], budget_seconds: float,
-                             seeds: dict[str, int], *, prereg: int, plan=configuration_cells) -> dict:
+                             seeds: dict[str, int], *, prereg: int, plan) -> dict:
     """Amendment 5's power.budget: the powered design (power.yaml's items per model) and the 90-minute one. Kept
     in order: the oracle cells at power's oracle items, the streaming cells at C6's floor, then every
     question-aware cell scaled by one common factor f (``resize``, rounded down) to fill the budget. If the first
     two alone do not fit, the oracle cells keep their items, the streaming cells are scaled with the question-aware
     ones, and ``c6_floor_kept`` is false. A cell type's cost per item is the sum over its cells of their measured
-    medians (timing.yaml), since its cells all run the type's items."""
+    medians (timing.yaml), since its cells all run the type's items. plan: population, counts, seeds -> cells."""
     per_model = power["per_model"]
     models = list(population["models"])
     full = {}
@@ -304,22 +399,20 @@ def design_per_configuration(population: dict, power: dict, timing: dict[str, di
             "fits": all(scaled["counts"][t] >= full[t] for t in full)}
 
 
-def amendment4_cells(population: dict, counts: dict[str, int], seeds: dict[str, int]) -> dict[str, dict]:
-    return planned_cells(population, counts, seeds)
-
-
-# The cell plan of an amendment's design, by its power method (kvcert.analysis.prereg.Version.power): amendment 4's
-# one cell per (kind, model), amendment 5's one cell per (kind, model, allocator, share). ``time`` runs each plan's
-# cells on the pilot items; ``design`` applies the matching rule to the measured times.
-PLANS = {"studies_span_targets": amendment4_cells, "per_component_span": configuration_cells}
-SMOKE_PLANS = {"per_component_span": smoke_configuration_cells}
+@register_method("design", "floors_then_scale")
+def floors_then_scale(doc: dict, spec: dict, population: dict, power: dict, timing: dict, budget_seconds: float,
+                      seeds: dict[str, int], plan) -> dict:
+    """Amendment 5's power.budget (``design_per_configuration``) over the plan's cells."""
+    out = design_per_configuration(population, power, timing, budget_seconds, seeds, prereg=int(doc["version"]),
+                                   plan=functools.partial(plan, spec=spec))
+    return {"rule": f"amendment {doc['version']}'s power.budget", **out}
 
 
 def main() -> None:
     import sys
 
     if sys.argv[1:2] in (["time"], ["design"]):
-        return amendment4_main(sys.argv[1], sys.argv[2:])
+        return amendment_main(sys.argv[1], sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=Path, required=True, help="a study's cells/ folder")
     parser.add_argument("--budget-minutes", type=float, required=True, help="wall minutes of cells")
@@ -341,30 +434,40 @@ def main() -> None:
     print(text, end="")
 
 
-def amendment4_main(command: str, argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=f"amendment 4: {command}")
+def _pilot_script():
+    """workflow/scripts/pilot.py as a module: its reader of an amendment's data (document and sidecar)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pilot", Path(__file__).with_name("pilot.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def amendment_main(command: str, argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=f"an amendment's design: {command}")
     parser.add_argument("--amendment", type=Path, required=True)
     parser.add_argument("--population", type=Path, required=True)
     parser.add_argument("--cells", type=Path, help="time: the timing cells' folder")
     parser.add_argument("--timing", type=Path, required=True, help="the measured times (time: written; design: read)")
     parser.add_argument("--power", type=Path, help="design: power.yaml")
     parser.add_argument("--out", type=Path, help="design: design.yaml")
-    parser.add_argument("--cores", type=int, default=2)
+    parser.add_argument("--cores", type=int, default=2, help="cells at a time, where power.timing names no cores")
     parser.add_argument("--smoke", action="store_true",
-                        help="time and design: the plan's smoke version (amendment 5's: fewer scorers, allocators, "
-                             "shares and seeds)")
+                        help="time and design: the plan on almost nothing (two scorers, two allocators, each factor's "
+                             "ends, one Poisson seed)")
     args = parser.parse_args(argv)
-    doc = yaml.safe_load(args.amendment.read_text())
+    pilot = _pilot_script()
+    doc = pilot.amendment_data(args.amendment)
+    where = pilot.shown_path(args.amendment)
+    spec = plan_of(doc, where)
+    spec = smoke_spec(spec) if args.smoke else spec
     population = yaml.safe_load(args.population.read_text())
     timing = doc["power"]["timing"]
-    method = doc["power"].get("method", "studies_span_targets")
-    if method not in PLANS:
-        raise SystemExit(f"{args.amendment}: power.method={method!r}: no cell plan; known: {', '.join(sorted(PLANS))}")
+    plan = method("plan", spec["method"], f"{where}: plan.method")
     if command == "time":
-        if args.smoke and method not in SMOKE_PLANS:
-            raise SystemExit(f"--smoke: power.method={method} has no smoke plan")
-        plan = SMOKE_PLANS[method] if args.smoke else PLANS[method]
-        time_cells(population, args.cells, int(timing["n_items"]), int(doc["pilot"]["items_seed"]), args.cores, plan)
+        time_cells(population, args.cells, int(timing["n_items"]), int(doc["pilot"]["items_seed"]), args.cores,
+                   functools.partial(plan, spec=spec))
         cells = measured(args.cells)
         text = yaml.safe_dump({"rule": "per item: median over a cell's shards of wall seconds / items (manifest.json)",
                                "inputs": {"cells": str(args.cells), "n_items": timing["n_items"],
@@ -374,27 +477,15 @@ def amendment4_main(command: str, argv: list[str]) -> None:
                                                 "per_item_median": round(e["per_item_median"], 2)}
                                             for c, e in cells.items()}}, sort_keys=False, width=110)
         write_text_atomic(text, args.timing)
-    elif method == "per_component_span":
-        power = yaml.safe_load(args.power.read_text())
-        measured_times = yaml.safe_load(args.timing.read_text())["measured"]
-        out = design_per_configuration(population, power, measured_times,
-                                       float(timing["budget_minutes"]) * 60 * int(timing.get("cores", args.cores)),
-                                       {k: int(v) for k, v in doc["power"]["items_seeds"].items()},
-                                       prereg=int(doc["version"]),
-                                       plan=SMOKE_PLANS[method] if args.smoke else PLANS[method])
-        text = yaml.safe_dump({"rule": f"amendment {doc['version']}'s power.budget", **out}, sort_keys=False, width=110)
-        write_text_atomic(text, args.out)
     else:
-        power = yaml.safe_load(args.power.read_text())
-        measured_times = yaml.safe_load(args.timing.read_text())["measured"]
-        c6 = power["c6"]
-        c6_min = math.ceil(int(doc["power"]["span_targets"]["c6_design_runs_per_class"])
-                           / (3 * min(c6["p_inh"], c6["p_cache"])))
-        out = design(population, power, measured_times, float(timing["budget_minutes"]) * 60 * args.cores,
-                     {k: int(v) for k, v in doc["power"]["items_seeds"].items()}, c6_min, prereg=int(doc["version"]),
-                     oracle_items=doc["power"].get("oracle_items"))
-        text = yaml.safe_dump({"rule": f"amendment {doc['version']}'s power.budget", "c6_min_streaming_items": c6_min, **out},
-                              sort_keys=False, width=110)
+        if args.power is None or args.out is None:
+            parser.error("design needs --power and --out")
+        rule = method("design", spec["design"], f"{where}: plan.design")
+        out = rule(doc, spec, population, yaml.safe_load(args.power.read_text()),
+                   yaml.safe_load(args.timing.read_text())["measured"],
+                   float(timing["budget_minutes"]) * 60 * int(timing.get("cores", args.cores)),
+                   {k: int(v) for k, v in doc["power"]["items_seeds"].items()}, plan)
+        text = yaml.safe_dump(out, sort_keys=False, width=110)
         write_text_atomic(text, args.out)
     print(text, end="")
 

@@ -9,13 +9,22 @@ amendment's document; no claims module is copied and no code branches on a versi
 
 Bases: ``claims`` (version 1's frozen module) and ``amendment2`` (version 1's claims with C4 and C6 taking the
 scikit-learn AUC method of kvcert.analysis.discrimination: amendment 2's analysis without its module's copies;
-scikit-learn is imported only when asked for). Variants: every variant of the frozen module
-kvcert.analysis.variants (frozen by amendment 4's lock, so it is read, never edited), and whatever later code
-lists for it (kvcert.analysis.strata: amendment 5's C2/C3 per configuration, C6/C7 within each model).
+scikit-learn is imported only when asked for). Variants: every variant that a module of this package declares,
+found by what the module declares (a top-level ``VARIANTS`` list or mapping, or ``register_variant`` decorators),
+never by a module's name: today the frozen kvcert.analysis.variants (amendment 4's C5 within each model) and
+kvcert.analysis.strata (C2/C3 per configuration, C6/C7 within each model), both read, never edited.
+
+The same registry holds the methods that design an amendment's study (``register_method``): its pilot
+(``pilot``), its power analysis (``power``), its cell plan (``plan``) and the rule that sizes the plan to a
+budget (``design``). An amendment's data names each by name (``pilot.method``, ``power.method``,
+``plan.method``, ``plan.design``); the workflow's scripts register the functions, and a new method is one
+registered function.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Callable
 
 from kvcert.analysis import claims
@@ -109,16 +118,29 @@ _frozen_variants()
 
 
 
-def _listed_variants() -> None:
-    """The variants later amendments' modules list (amendment 5's kvcert.analysis.strata: per configuration, per
-    model), registered under their own names."""
-    from kvcert.analysis import strata
-
-    for choice, claim, name, tables, fn in strata.VARIANTS:
-        _add_variant(choice, claim, name, ClaimDef(fn, tables))
+# A module declares variants by a top-level VARIANTS (strata's list of (choice, claim, name, tables, fn)) or by
+# this module's register_variant decorator; variants.py's mapping is registered above.
+_DECLARES = re.compile(r"^(VARIANTS\b|@(registry\.)?register_variant\()", re.M)
 
 
-_listed_variants()
+def _declared_variants() -> None:
+    """Register the variants of every module of this package that declares some, found by its source text (so
+    that no module is imported by name and none is imported that declares nothing), in file-name order."""
+    import importlib
+
+    package = Path(__file__).resolve().parent
+    for path in sorted(package.glob("*.py")):
+        if path.stem in ("__init__", "registry", "variants") or not _DECLARES.search(path.read_text()):
+            continue
+        module = importlib.import_module(f"{__package__}.{path.stem}")
+        listed = getattr(module, "VARIANTS", None)
+        if isinstance(listed, list):
+            for choice, claim, name, tables, fn in listed:
+                if name not in VARIANTS.get(choice, {}):
+                    _add_variant(choice, claim, name, ClaimDef(fn, tables))
+
+
+_declared_variants()
 
 
 def with_choices(base: Analysis, choices: dict[str, str], where: str) -> Analysis:
@@ -174,3 +196,52 @@ def on_default_configuration(registry: dict[str, ClaimDef], run_claim: Callable[
             tables = strata.default_configuration(tables)
         return run_claim(claim_id, tables, spec, conventions, opts)
     return run
+
+
+# --- the methods that design an amendment's study, by name ------------------------------------------------------
+
+# kind -> {name: function}. pilot: how the population is obtained (pilot.method); power: the power analysis
+# (power.method); plan: the cells of a design from a population, item counts and data seeds (plan.method);
+# design: the rule that sizes a plan's cells to the amendment's budget from the measured times (plan.design).
+METHOD_KINDS = ("pilot", "power", "plan", "design")
+METHODS: dict[str, dict[str, Callable]] = {kind: {} for kind in METHOD_KINDS}
+
+
+def register_method(kind: str, name: str, **attributes):
+    """Decorator: register ``fn`` as method ``name`` of ``kind`` (one of METHOD_KINDS); ``attributes`` are set on
+    the function (e.g. a pilot's ``steps``: how the workflow obtains its population). A script loaded twice (as a
+    module under two names) registers the same function again, which replaces it; another function under a
+    registered name is an error."""
+    if kind not in METHODS:
+        raise ValueError(f"method kind {kind!r}: unknown; known: {', '.join(METHOD_KINDS)}")
+
+    def add(fn: Callable) -> Callable:
+        for key, value in attributes.items():
+            setattr(fn, key, value)
+        known = METHODS[kind].get(name)
+        if known is not None and _source(known) != _source(fn):
+            raise ValueError(f"{kind} method {name!r} is registered twice ({known.__qualname__}, {fn.__qualname__})")
+        METHODS[kind][name] = fn
+        return fn
+    return add
+
+
+def _source(fn: Callable) -> tuple[str, str]:
+    code = getattr(fn, "__code__", None)
+    return (code.co_filename if code else repr(fn), fn.__qualname__)
+
+
+def method(kind: str, name, where: str) -> Callable:
+    """The function registered as ``name`` of ``kind``; ``where`` (the document and key that name it) is named in
+    the one-line error for an unknown name."""
+    if kind not in METHODS:
+        raise AnalysisError(f"{where}: method kind {kind!r}: unknown; known: {', '.join(METHOD_KINDS)}")
+    if name not in METHODS[kind]:
+        raise AnalysisError(f"{where}={name!r}: no {kind} method of that name; known: "
+                            f"{', '.join(sorted(METHODS[kind])) or 'none'}")
+    return METHODS[kind][name]
+
+
+def methods(kind: str) -> dict[str, Callable]:
+    """{name: function} of every registered method of ``kind``."""
+    return dict(METHODS[kind])
