@@ -369,5 +369,16 @@ verify-campaign: install
 	$(BIN)/kvcert-prereg verify
 	$(BIN)/python workflow/scripts/verify_campaign.py --scale $(SCALE) --lock $(LOCK)
 
+## Every page of README.md and docs/ rendered in place from the committed tables, code constants and locked files
+## (workflow/scripts/render_docs.py; rule render_docs renders README.md and docs/studies/ as part of the DAG), and
+## each page's count of hand-written numbers (tests/test_doc_numbers.py holds each page to it). Pure text, seconds.
+DOC_PAGES := README.md $(sort $(wildcard docs/*.md)) $(sort $(wildcard docs/studies/*.md))
+.PHONY: render-docs
+render-docs:
+	$(BIN)/python workflow/scripts/render_docs.py results --grid results/claims_grid.md $(DOC_PAGES)
+.PHONY: doc-numbers
+doc-numbers:
+	$(BIN)/python workflow/scripts/render_docs.py results --count $(if $(V),--verbose) $(DOC_PAGES)
+
 clean-smoke:
 	rm -rf results/smoke results/smoke-slurm

@@ -18,15 +18,32 @@ component of a per-configuration claim). Blocks: ``results-grid`` (one row per c
 results/claims_grid.md) and ``by-policy-<study>[-<model>]`` (a study's C2 and C3 per scorer, allocator and
 certain-head share, from results/claims_by_policy.csv; pooled over the models unless a model is named).
 
-Run by rule ``render_docs`` (workflow/rules/tables.smk), part of the default target, or by hand:
-    python workflow/scripts/render_docs.py results --grid results/claims_grid.md README.md docs/studies/*.md
+A ``rows`` span renders a table's body, one template line per row of a source (``rows``):
+
+    <!-- rows:table file=sensitivity/sensitivity.csv
+    | {knob} | {value} | {budget:g} | {acc_full:.1f} |
+    -->
+    ...the rendered lines...
+    <!-- /rows -->
+
+Beside the results, a value may read a locked or committed file of the repository: ``yaml file=PATH KEY.PATH``
+(a pre-registration's YAML, a scale; nested keys joined by dots, a list's items by position, a claim by its id)
+and ``const file=PATH NAME`` (a module-level literal of a Python file, read without importing it).
+
+Run by rule ``render_docs`` (workflow/rules/tables.smk: README.md and docs/studies/*.md), part of the default
+target, or for every page (docs/*.md included) by ``make render-docs``:
+    python workflow/scripts/render_docs.py results --grid results/claims_grid.md README.md docs/*.md docs/studies/*.md
+``--count`` writes nothing and prints each page's hand-written numbers: those outside spans, blocks and the
+short list DEFINITIONS (``make doc-numbers``; tests/test_doc_numbers.py holds every page to its count).
 """
 
 import argparse
+import ast
 import csv
 import json
 import re
 import shlex
+import string
 import sys
 from collections import Counter
 from functools import lru_cache
@@ -74,17 +91,22 @@ def _claim_json(results, fields):
 
 def _flat(document):
     """A JSON or YAML document as one row: nested keys joined by dots; a list of mappings that each have a
-    ``name`` (a claim's components) is keyed by that name."""
+    ``name`` (a claim's components) or an ``id`` (a pre-registration's claims) is keyed by it, a list of scalars
+    is also keyed by position."""
     flat = {}
 
     def walk(prefix, value):
-        if isinstance(value, list) and value and all(isinstance(v, dict) and "name" in v for v in value):
-            value = {v["name"]: v for v in value}
+        for name in ("name", "id"):  # a claim's components by name; a pre-registration's claims by id
+            if isinstance(value, list) and value and all(isinstance(v, dict) and name in v for v in value):
+                value = {v[name]: v for v in value}
         if isinstance(value, dict):
             for k, v in value.items():
                 walk(f"{prefix}{k}.", v)
         else:
             flat[prefix[:-1]] = value
+            if isinstance(value, list):  # a list of scalars also by position: budgets.0
+                for i, v in enumerate(value):
+                    walk(f"{prefix}{i}.", v)
     walk("", document)
     return flat
 
@@ -131,6 +153,35 @@ def _table(results, fields):
     return _csv(results / str(name))
 
 
+def _const(results, fields):
+    """The module-level constants of a Python file (``file=``, relative to the repository: a module under src/kvcert
+    or a script under workflow/scripts) as one row, read from its source without importing it: every top-level
+    ``NAME = literal`` (tuple assignments ``A, B = 1, 2`` included) whose value ``ast.literal_eval`` reads."""
+    name = fields.pop("file", None)
+    path = results.resolve().parent / str(name)
+    if not name or not path.is_file() or path.suffix != ".py":
+        raise DocError(f"const: no such Python file {name!r} (file= is relative to the repository)")
+    return [_constants(str(path))]
+
+
+@lru_cache(maxsize=None)
+def _constants(path):
+    row = {}
+    for node in ast.parse(Path(path).read_text(encoding="utf-8")).body:
+        target, value = (node.targets[0], node.value) if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+            else (node.target, node.value) if isinstance(node, ast.AnnAssign) and node.value is not None else (None, None)
+        names = [target] if isinstance(target, ast.Name) else list(target.elts) if isinstance(target, ast.Tuple) else []
+        values = [value] if isinstance(target, ast.Name) else list(getattr(value, "elts", []))
+        if len(names) != len(values) or not all(isinstance(n, ast.Name) for n in names):
+            continue
+        for n, v in zip(names, values):
+            try:
+                row[n.id] = ast.literal_eval(v)
+            except ValueError:
+                continue
+    return row
+
+
 def _probes(results, fields):
     """The task probes' tables (results/probes/*.csv), one row per model and task."""
     paths = sorted((results / "probes").glob("*.csv"))
@@ -149,6 +200,7 @@ SOURCES = {
     "claim_json": _claim_json,
     "cells": _cells,
     "yaml": _yaml,
+    "const": _const,
     "probes": _probes,
     "table": _table,
     "by_policy": lambda results, fields: _csv(results / "claims_by_policy.csv"),
@@ -158,12 +210,16 @@ SOURCES = {
 def source_files(results, key):
     """The files a value's key reads (the rule's inputs)."""
     source, fields, _, _ = parse(key)
-    results = Path(results)
+    return _files(Path(results), source, fields)
+
+
+def _files(results, source, fields):
+    """The files source ``source`` reads for a key's ``fields``."""
     if source == "claim_json":
         return [results / fields["study"] / "claims" / f"{fields['claim']}.json"]
     if source == "cells":
         return _manifests(results, fields["study"], fields.get("cell", "*"))
-    if source == "yaml":
+    if source in ("yaml", "const"):
         return [results.resolve().parent / fields["file"]]
     if source == "probes":
         return sorted((results / "probes").glob("*.csv"))
@@ -206,6 +262,8 @@ def _number(value, spec):
             raise DocError(f"format {spec!r} wants a whole number, got {value}")
         value = int(round(value))
     shown = format(value, spec)
+    if spec.endswith("e"):  # 1e-05 -> 1e-5
+        shown = re.sub(r"e([+-])0*(\d)", lambda m: f"e{m[1].replace('+', '')}{m[2]}", shown)
     return shown.replace("-", MINUS)
 
 
@@ -255,6 +313,65 @@ def value(results, key):
     if spec == "s":
         return str(row[column])
     return _number(row[column], spec)
+
+
+# --- rows: a table's body from a source -------------------------------------------------------------------------
+
+ROWS = re.compile(r"<!-- rows:(?P<key>[^\n]*)\n(?P<template>.*?)-->\n(?P<shown>.*?)<!-- /rows -->", re.S)
+
+
+class _Cells(string.Formatter):
+    """A row template's fields: a cell given a numeric format (f, g, e, %, d) is read as a number."""
+
+    def format_field(self, cell, spec):
+        if spec and spec[-1] in "fgGeE%d" and not isinstance(cell, (int, float)):
+            cell = float(cell) if spec[-1] != "d" else int(float(cell))
+        return format(cell, spec)
+
+
+def rows(results, key, template):
+    """The lines of a ``rows`` span: ``template`` (one or more lines with ``{COLUMN[:FORMAT]}`` fields) filled
+    once per row of the key's source, in the source's order or sorted by ``sort=A,B`` (numbers as numbers).
+    The key is ``SOURCE FIELD=VALUE ...`` as a value's, without a column; ``by=A,B`` pools source accuracy
+    over everything but A, B (accuracy weighted by n, n summed), one row per combination."""
+    try:
+        words = shlex.split(key)
+    except ValueError as err:
+        raise DocError(f"rows key {key!r}: {err}") from None
+    if not words or words[0] not in SOURCES or any("=" not in w for w in words[1:]):
+        raise DocError(f"rows key {key!r}: want a source ({', '.join(SOURCES)}) and FIELD=VALUE words")
+    fields = dict(w.split("=", 1) for w in words[1:])
+    by, order = fields.pop("by", ""), fields.pop("sort", "")
+    found = [r for r in SOURCES[words[0]](Path(results), fields)
+             if all(k in r and _same(r[k], v) for k, v in fields.items())]
+    if by:
+        groups = {}
+        for r in found:
+            groups.setdefault(tuple(r[c] for c in by.split(",")), []).append(r)
+        found = []
+        for group, members in groups.items():
+            n = sum(int(r["n"]) for r in members)
+            found.append({**dict(zip(by.split(","), group)), "n": n,
+                          "accuracy": sum(float(r["accuracy"]) * int(r["n"]) for r in members) / n})
+    if order:
+        def sort_key(row):
+            return tuple((0, float(row[c]), "") if _is_number(row[c]) else (1, 0.0, str(row[c]))
+                         for c in order.split(","))
+        found.sort(key=sort_key)
+    if not found:
+        raise DocError(f"rows key {key!r}: no rows match")
+    try:
+        return "".join(_Cells().format(template, **row) for row in found)
+    except (KeyError, ValueError) as err:
+        raise DocError(f"rows key {key!r}: template field {err}") from None
+
+
+def _is_number(text):
+    try:
+        float(text)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 # --- blocks ------------------------------------------------------------------------------------------------------
@@ -342,6 +459,53 @@ def block(results, name):
     raise DocError(f"unknown block {name!r}; known: results-grid, {BY_POLICY}<study>[-<model>]")
 
 
+# --- hand-written numbers ----------------------------------------------------------------------------------------
+
+# A number as a reader meets it: digits, with thousands commas and decimals, not inside a word (v5, C3, H200).
+NUMBER = re.compile(r"(?<![\w.,])[+−-]?\d[\d,]*(?:\.\d+)?(?![\w]|\.\d)")
+# What is no datum although it holds digits, each a definition rather than a measurement or a setting:
+DEFINITIONS = {
+    # code: a command or a literal the reader types (tests/test_docs.py checks its names against the code)
+    "code": r"```.*?```|`[^`\n]*`",
+    # a link's target (a file name, an anchor)
+    "link": r"\]\([^)]*\)",
+    # the pre-registration's version numbers: amendment 2, amendments 2 and 3, version 1, prereg 4
+    "version": r"\b(?:[Aa]mendments?|[Vv]ersions?|prereg(?:_version)?[= ])[\s-]*\[?\d+\]?(?:(?:,\s+|\s+and\s+|\s+or\s+|–)\[?\d+\]?)*",
+    # a name holding digits: model families and versions, the paper's arXiv id, the lock's Python
+    "name": r"Gemma 3|Llama[ -]3\.1|arXiv \d{4}\.\d{4,5}|Python 3\.\d+",
+    # the year of a citation: (P. Xie, 2026)
+    "year": r"(?<=, )(?:19|20)\d\d(?=\))",
+    # a step of a numbered list or a numbered heading, and a section sign's number (METHOD.md §7)
+    "step": r"^[ \t]*(?:#+ )?\d+\.(?= )|§\d+(?:\.\d+)*",
+    # the 1 of a confidence level written in δ: (1 − δ)
+    "level": r"\b1 ?[−-] ?δ",
+}
+# code and link targets first: a version's pattern must not take a link's bracket
+UNCOUNTED = [re.compile(f"{DEFINITIONS['code']}|{DEFINITIONS['link']}", re.S),
+             re.compile("|".join(f"(?:{p})" for k, p in DEFINITIONS.items() if k not in ("code", "link")), re.M)]
+
+
+def hand_written(page_text):
+    """The numbers a page states by hand: every number outside its rendered spans and generated blocks and outside
+    DEFINITIONS, as (line number, the number, its context) in page order."""
+    blanked = BLOCK.sub(lambda m: _blank(m[0]), page_text)
+    blanked = VALUE.sub(lambda m: _blank(m[0]), blanked)
+    blanked = ROWS.sub(lambda m: _blank(m[0]), blanked)
+    for pattern in UNCOUNTED:
+        blanked = pattern.sub(lambda m: _blank(m[0]), blanked)
+    found = []
+    for match in NUMBER.finditer(blanked):
+        line = blanked.count("\n", 0, match.start()) + 1
+        context = " ".join(page_text[max(0, match.start() - 40):match.end() + 20].split())
+        found.append((line, match[0], context))
+    return found
+
+
+def _blank(text):
+    """``text`` as spaces, its line breaks kept (so that line numbers and lookarounds stay)."""
+    return re.sub(r"[^\n]", " ", text)
+
+
 # --- pages -------------------------------------------------------------------------------------------------------
 
 
@@ -360,10 +524,18 @@ def render(page_text, results, where="page"):
         except DocError as err:
             raise DocError(f"{where}: {err}") from None
         return f"{match['open']}{shown}{match['close']}"
+    def one_rows(match):
+        try:
+            shown = rows(results, match["key"], match["template"])
+        except DocError as err:
+            raise DocError(f"{where}: {err}") from None
+        return f"<!-- rows:{match['key']}\n{match['template']}-->\n{shown}<!-- /rows -->"
     opened = len(re.findall(r"<!-- value:", page_text))
     if opened != len(VALUE.findall(page_text)):
         raise DocError(f"{where}: a <!-- value:... --> span lacks its <!-- /value -->")
-    return BLOCK.sub(one_block, VALUE.sub(one_value, page_text))
+    if len(re.findall(r"<!-- rows:", page_text)) != len(ROWS.findall(page_text)):
+        raise DocError(f"{where}: a <!-- rows:... --> span lacks its <!-- /rows -->")
+    return ROWS.sub(one_rows, BLOCK.sub(one_block, VALUE.sub(one_value, page_text)))
 
 
 def inputs(pages, results):
@@ -373,6 +545,9 @@ def inputs(pages, results):
         text = Path(page).read_text(encoding="utf-8")
         for match in VALUE.finditer(text):
             files.update(source_files(results, match["key"]))
+        for match in ROWS.finditer(text):
+            words = shlex.split(match["key"])
+            files.update(_files(Path(results), words[0], dict(w.split("=", 1) for w in words[1:])))
         if any(m["name"].startswith(BY_POLICY) for m in BLOCK.finditer(text)):
             files.add(Path(results) / "claims_by_policy.csv")
     return sorted(str(f) for f in files)
@@ -387,12 +562,32 @@ def write(results, pages, grid_out):
     write_text_atomic(grid(Path(results) / "claims.csv"), grid_out)  # last: the rule's output is the newest file
 
 
+def count(pages, verbose=False):
+    """Print each page's count of hand-written numbers (and, verbose, each of them) and the total."""
+    total = 0
+    for page in pages:
+        found = hand_written(Path(page).read_text(encoding="utf-8"))
+        total += len(found)
+        print(f"{len(found):6d}  {page}")
+        for line, number, context in found if verbose else ():
+            print(f"        {page}:{line}: {number}  ({context})")
+    print(f"{total:6d}  total")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", help="the folder of the tables (results)")
     parser.add_argument("pages", nargs="*", help="markdown pages whose values and blocks are rendered in place")
-    parser.add_argument("--grid", required=True, help="the results grid as a markdown file")
+    parser.add_argument("--grid", help="the results grid as a markdown file (required unless --count)")
+    parser.add_argument("--count", action="store_true",
+                        help="write nothing: print each page's hand-written numbers (outside spans and DEFINITIONS)")
+    parser.add_argument("--verbose", "-v", action="store_true", help="with --count: each number, its line and context")
     args = parser.parse_intermixed_args(argv)  # the docstring's order: pages after --grid
+    if args.count:
+        return count(args.pages, args.verbose)
+    if not args.grid:
+        parser.error("--grid is required unless --count")
     try:
         write(args.results, args.pages, args.grid)
     except (OSError, ValueError) as err:

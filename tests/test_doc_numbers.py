@@ -1,0 +1,139 @@
+"""Hand-written numbers in README.md and docs/: every number a page states is a rendered span (a committed table,
+a locked YAML key, a code constant; workflow/scripts/render_docs.py) or one of the renderer's DEFINITIONS (a
+version, a step of a numbered list, a name such as Gemma 3, code a reader types, a citation's year). The count
+outside those is held per page: a page listed in HAND_WRITTEN may state exactly that many numbers by hand (the
+ones it still carries, shown by `make doc-numbers V=1`), every other page none. The count may only fall: a page
+that loses hand-written numbers must lower its entry. docs/history.md is the dated diary (what was measured
+when): its numbers are records of a date, not statements about the code or the results now, and are not counted.
+Pure text, no model: a second or two."""
+
+import functools
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "results"
+HISTORY = ROOT / "docs" / "history.md"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "studies").glob("*.md"))]
+COUNTED = [p for p in PAGES if p != HISTORY]
+# The pages that still state numbers by hand, with how many (make doc-numbers); every other page states none.
+HAND_WRITTEN = {
+    "docs/CALIBRATION-LEVEL.md": 441,
+    "docs/GLOSSARY.md": 16,
+    "docs/METHOD.md": 37,
+    "docs/calibration.md": 741,
+    "docs/cluster.md": 131,
+    "docs/errors.md": 18,
+    "docs/library.md": 66,
+    "docs/pipeline.md": 145,
+    "docs/studies/certified-budgets.md": 195,
+    "docs/studies/sensitivity.md": 527,
+    "docs/studies/v1.md": 153,
+    "docs/studies/v2-full.md": 24,
+    "docs/studies/v2.md": 110,
+    "docs/studies/v3.md": 52,
+    "docs/studies/v4-full.md": 31,
+    "docs/studies/v4.md": 107,
+    "docs/studies/v5.md": 70,
+}
+
+
+@functools.lru_cache(maxsize=None)  # one module: its table caches serve every page
+def renderer():
+    spec = importlib.util.spec_from_file_location("render_docs", ROOT / "workflow" / "scripts" / "render_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def name(page):
+    return page.relative_to(ROOT).as_posix()
+
+
+@pytest.mark.parametrize("page", COUNTED, ids=[name(p) for p in COUNTED])
+def test_page_states_no_more_numbers_by_hand_than_its_count(page):
+    found = renderer().hand_written(page.read_text(encoding="utf-8"))
+    allowed = HAND_WRITTEN.get(name(page), 0)
+    shown = " | ".join(f"{line}: {number} ({context})" for line, number, context in found[:12])
+    assert len(found) <= allowed, (f"{name(page)} states {len(found)} numbers by hand, {allowed} allowed: render "
+                                   f"them (workflow/scripts/render_docs.py) or drop them; {shown}")
+    assert len(found) == allowed, (f"{name(page)} states {len(found)} numbers by hand, fewer than its count "
+                                   f"{allowed}: lower HAND_WRITTEN[{name(page)!r}] in tests/test_doc_numbers.py")
+
+
+def test_the_count_lists_only_pages_that_exist():
+    assert set(HAND_WRITTEN) <= {name(p) for p in COUNTED}
+    assert all(count > 0 for count in HAND_WRITTEN.values())
+
+
+TOP_LEVEL = sorted((ROOT / "docs").glob("*.md"))
+
+
+@pytest.mark.parametrize("page", TOP_LEVEL, ids=[name(p) for p in TOP_LEVEL])
+def test_page_is_its_rendering(page):
+    """docs/*.md, rendered by make render-docs (README.md and docs/studies/, which rule render_docs renders too,
+    are checked by tests/test_docs.py)."""
+    body = page.read_text(encoding="utf-8")
+    assert renderer().render(body, RESULTS, where=name(page)) == body, f"{name(page)} is stale: make render-docs"
+
+
+def test_what_counts_as_hand_written():
+    text = ("Amendment 4 and amendments 2 and\n  [3](x.md) keep version 1's 0.95 (C3, v5, H200).\n"
+            "1. a step; §7 of Gemma 3 and Llama 3.1 (P. Xie, 2026), a (1 − δ) bound, `budget=0.25`\n"
+            "```\nmake x N=12\n```\n"
+            "it took 138 minutes, <!-- value:claims study=v1 claim=c1 estimate .1f -->−50.0<!-- /value --> points;\n"
+            "<!-- rows:claims study=v1\n| {claim} | {estimate:.1f} |\n-->\n| c1 | −50.0 |\n<!-- /rows -->\n"
+            "and 1,200 items at 25%, −3.5 lower, 2- and 4-needle\n")
+    found = renderer().hand_written(text)
+    assert [number for _, number, _ in found] == ["0.95", "138", "1,200", "25", "−3.5", "2", "4"]
+    assert [line for line, _, _ in found] == [2, 7, 13, 13, 13, 13, 13]
+
+
+def test_rows_span_renders_a_tables_body(tmp_path):
+    (tmp_path / "t.csv").write_text("model,budget,acc\nb,0.5,61.25\na,0.25,-3\na,0.5,70\n")
+    page = "x\n<!-- rows:table file=t.csv model=a sort=budget\n| {model} | {budget:g} | {acc:.1f} |\n-->\nold\n<!-- /rows -->\n"
+    out = renderer().render(page, tmp_path)
+    assert out == ("x\n<!-- rows:table file=t.csv model=a sort=budget\n| {model} | {budget:g} | {acc:.1f} |\n-->\n"
+                   "| a | 0.25 | -3.0 |\n| a | 0.5 | 70.0 |\n<!-- /rows -->\n")
+    assert renderer().render(out, tmp_path) == out
+    with pytest.raises(ValueError, match=r"rows key 'table file=t.csv model=z': no rows match"):
+        renderer().render(page.replace("model=a sort=budget", "model=z"), tmp_path)
+    with pytest.raises(ValueError, match=r"template field 'nosuch'"):
+        renderer().render(page.replace("{acc:.1f}", "{nosuch}"), tmp_path)
+
+
+def test_rows_span_pools_accuracy_by_the_columns_it_names():
+    """``by=`` pools accuracy.csv over the columns it leaves out (weighted by n), as the value source does."""
+    page = ("<!-- rows:accuracy study=v1 setting=streaming policy=full by=setting,policy\n"
+            "{setting} {policy} {accuracy:.4f} {n}\n-->\n<!-- /rows -->")
+    out = renderer().render(page, RESULTS)
+    one = renderer().value(RESULTS, "accuracy study=v1 setting=streaming policy=full accuracy .4f")
+    n = renderer().value(RESULTS, "accuracy study=v1 setting=streaming policy=full n d")
+    assert f"-->\nstreaming full {one} {n}\n<!-- /rows -->" in out
+
+
+def test_const_and_yaml_sources_read_the_files_themselves(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (tmp_path / "m.py").write_text("import os\nRTOL, ATOL = 1e-5, 1e-9\nLEVEL: float = 0.99\nPATH = os.sep\n")
+    (tmp_path / "d.yaml").write_text("claims:\n  - id: c3\n    budgets: [0.25, 0.5]\n")
+    render = renderer().render
+    assert render("<!-- value:const file=m.py ATOL .0e -->x<!-- /value -->", results).endswith("-->1e−9<!-- /value -->")
+    assert render("<!-- value:const file=m.py LEVEL .0% -->x<!-- /value -->", results).endswith("-->99%<!-- /value -->")
+    assert render("<!-- value:yaml file=d.yaml claims.c3.budgets.1 .0% -->x<!-- /value -->", results).endswith(
+        "-->50%<!-- /value -->")
+    with pytest.raises(ValueError, match=r"no column 'PATH'"):  # not a literal: not a constant the page may state
+        render("<!-- value:const file=m.py PATH s -->x<!-- /value -->", results)
+    with pytest.raises(ValueError, match=r"const: no such Python file 'n.py'"):
+        render("<!-- value:const file=n.py RTOL g -->x<!-- /value -->", results)
+
+
+def test_make_targets_render_and_count_every_page():
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^render-docs:\n\t.*render_docs\.py results --grid results/claims_grid\.md \$\(DOC_PAGES\)",
+                     makefile, flags=re.M)
+    assert re.search(r"^doc-numbers:\n\t.*render_docs\.py results --count", makefile, flags=re.M)
+    assert "DOC_PAGES := README.md $(sort $(wildcard docs/*.md)) $(sort $(wildcard docs/studies/*.md))" in makefile
