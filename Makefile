@@ -187,70 +187,79 @@ smoke-reference: smoke
 reproduce: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete
 
+## One study, computed from its scale file: make study SCALE=<name> (workflow/scales/<name>.yaml). The documented
+## per-study targets below (reproduce-v4, reproduce-v5-full, reproduce-full, ...) call it; a new study needs its
+## scale file only, no target. `make reproduce` computes the default scale.
+.PHONY: study
+study: install
+	@test "$(origin SCALE)" != file || { echo "make study: SCALE is not set: make study SCALE=<name>, one of: $(sort $(basename $(notdir $(wildcard workflow/scales/*.yaml))))" >&2; exit 2; }
+	@test -f workflow/scales/$(SCALE).yaml || { echo "make study: SCALE=$(SCALE): no workflow/scales/$(SCALE).yaml; one of: $(sort $(basename $(notdir $(wildcard workflow/scales/*.yaml))))" >&2; exit 2; }
+	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=$(SCALE)
+
 ## Version 4's record: amendment 4's 90-minute design (workflow/scales/v4.yaml), the default scale until
 ## amendment 5; the time it took is in docs/studies/v4.md.
-reproduce-v4: install
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v4
+reproduce-v4:
+	@$(MAKE) --no-print-directory study SCALE=v4
 
 ## Amendment 5's powered design, study v5-full (workflow/scales/v5-full.yaml, read from
 ## preregistration/amendment-5/design.yaml): estimated 118,268 cell-seconds (about 16.4 hours on 2 cores).
-reproduce-v5-full: install
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v5-full
+reproduce-v5-full:
+	@$(MAKE) --no-print-directory study SCALE=v5-full
 
 ## Amendment 2's powered design: 2526 question-aware items, enough by version 1's variances for every C1 and
 ## C2 interval to span at most 4 points (about 5 hours on 2 cores as measured,
 ## README's version 2 section; amendment 2 estimated 3.5).
-reproduce-full: install
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v2-full
+reproduce-full:
+	@$(MAKE) --no-print-directory study SCALE=v2-full
 
 ## Amendment 4's powered design, study v4-full (workflow/scales/v4-full.yaml, read from
 ## preregistration/amendment-4/design.yaml): estimated 15,829 cell-seconds (about 2.2 hours); it took 2 h 46 min on 2 cores.
-reproduce-v4-full: install
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v4-full
+reproduce-v4-full:
+	@$(MAKE) --no-print-directory study SCALE=v4-full
 
 ## Version 1's record: its default population under its own pre-registration (69 minutes on 2 cores as
 ## measured, README's version 1 section; its manifests' cells sum to 124 cell-minutes).
-reproduce-v1: install
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v1
+reproduce-v1:
+	@$(MAKE) --no-print-directory study SCALE=v1
 
 ## Version 2's record: amendment 2's 90-minute design, which ran past 90 minutes (about 2 hours 10 minutes
 ## on 2 cores); amendment 3 resized it for `make reproduce`.
-reproduce-v2: install
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v2
+reproduce-v2:
+	@$(MAKE) --no-print-directory study SCALE=v2
 
 ## Version 3's record: amendment 3's design (56 minutes on 2 cores as measured, docs/studies/v3.md), the
 ## default scale until amendment 4.
-reproduce-v3: install
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=v3
+reproduce-v3:
+	@$(MAKE) --no-print-directory study SCALE=v3
 
 ## Exploratory: how the results move with the SnapKV window, pooling, recent window, head share and pi floor
 ## on version 2's population (outside `all`; about 45 minutes on 2 cores).
-sensitivity: install
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=sensitivity
+sensitivity:
+	@$(MAKE) --no-print-directory study SCALE=sensitivity
 
 ## The exploratory certified-budgets study (docs/studies/certified-budgets.md): targets against fixed budgets and
 ## allocators on both bundled models; the scale file states its estimated time on 2 cores.
-certified-budgets: install
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=certified-budgets
+certified-budgets:
+	@$(MAKE) --no-print-directory study SCALE=certified-budgets
 
 ## Its held-out check: the targets on other tasks and another data seed (workflow/scales/certified-budgets-heldout.yaml).
-certified-budgets-heldout: install
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=certified-budgets-heldout
+certified-budgets-heldout:
+	@$(MAKE) --no-print-directory study SCALE=certified-budgets-heldout
 
 ## Its second held-out check, pre-registered (workflow/scales/certified-budgets-heldout-2.yaml): a fresh task and data
 ## seed, the targets with and without the cap, and check.csv, the criterion's verdict per model, target and cap.
-certified-budgets-heldout-2: install
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=certified-budgets-heldout-2
+certified-budgets-heldout-2:
+	@$(MAKE) --no-print-directory study SCALE=certified-budgets-heldout-2
 
 ## The targets with a per-head floor at half the cap, on the study's items (workflow/scales/certified-budgets-floor.yaml):
 ## the remedy chosen after the second check; with the study's targets and fixed budgets made again beside it.
-certified-budgets-floor: install
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=certified-budgets-floor
+certified-budgets-floor:
+	@$(MAKE) --no-print-directory study SCALE=certified-budgets-floor
 
 ## The floor's held-out check, pre-registered with it (workflow/scales/certified-budgets-heldout-3.yaml): a fresh
 ## task and data seed; check.csv against certified-budgets-floor's summary (run make certified-budgets-floor first).
-certified-budgets-heldout-3: install
-	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=certified-budgets-heldout-3
+certified-budgets-heldout-3:
+	@$(MAKE) --no-print-directory study SCALE=certified-budgets-heldout-3
 
 ## An amendment's pilot and design (make pilot-amendment AMENDMENT=N; default the newest): its data names the
 ## pilot method; `staged`: stages A-D per model on pilot items, the rules applied (pilot.csv, population.yaml);
