@@ -24,17 +24,17 @@ HAND_WRITTEN = {
     "docs/CALIBRATION-LEVEL.md": 441,
     "docs/GLOSSARY.md": 16,
     "docs/METHOD.md": 37,
-    "docs/calibration.md": 741,
+    "docs/calibration.md": 147,
     "docs/cluster.md": 131,
     "docs/errors.md": 18,
     "docs/library.md": 66,
     "docs/pipeline.md": 145,
     "docs/studies/certified-budgets.md": 195,
-    "docs/studies/sensitivity.md": 527,
-    "docs/studies/v1.md": 153,
+    "docs/studies/sensitivity.md": 25,
+    "docs/studies/v1.md": 96,
     "docs/studies/v2-full.md": 24,
-    "docs/studies/v2.md": 110,
-    "docs/studies/v3.md": 52,
+    "docs/studies/v2.md": 68,
+    "docs/studies/v3.md": 46,
     "docs/studies/v4-full.md": 31,
     "docs/studies/v4.md": 107,
     "docs/studies/v5.md": 70,
@@ -85,18 +85,22 @@ def test_what_counts_as_hand_written():
             "1. a step; §7 of Gemma 3 and Llama 3.1 (P. Xie, 2026), a (1 − δ) bound, `budget=0.25`\n"
             "```\nmake x N=12\n```\n"
             "it took 138 minutes, <!-- value:claims study=v1 claim=c1 estimate .1f -->−50.0<!-- /value --> points;\n"
-            "<!-- rows:claims study=v1\n| {claim} | {estimate:.1f} |\n-->\n| c1 | −50.0 |\n<!-- /rows -->\n"
-            "and 1,200 items at 25%, −3.5 lower, 2- and 4-needle\n")
+            "<!-- rows:claims study=v1\n| claim | at 95% |\n| {claim} | {estimate:.1f} |\n-->\n| claim | at 95% |\n"
+            "| c1 | −50.0 |\n<!-- /rows -->\nand 1,200 items at 25%, −3.5 lower, 2- and 4-needle\n")
     found = renderer().hand_written(text)
-    assert [number for _, number, _ in found] == ["0.95", "138", "1,200", "25", "−3.5", "2", "4"]
-    assert [line for line, _, _ in found] == [2, 7, 13, 13, 13, 13, 13]
+    # a rows span's template counts once (its header's 95), its rendered lines not at all
+    assert [number for _, number, _ in found] == ["0.95", "138", "95", "1,200", "25", "−3.5", "2", "4"]
+    assert [line for line, _, _ in found] == [2, 7, 9, 15, 15, 15, 15, 15]
 
 
 def test_rows_span_renders_a_tables_body(tmp_path):
     (tmp_path / "t.csv").write_text("model,budget,acc\nb,0.5,61.25\na,0.25,-3\na,0.5,70\n")
-    page = "x\n<!-- rows:table file=t.csv model=a sort=budget\n| {model} | {budget:g} | {acc:.1f} |\n-->\nold\n<!-- /rows -->\n"
+    key = "<!-- rows:table file=t.csv model=a sort=budget\n| model | budget | acc |\n|---|---|---|\n" \
+          "| {model} | {budget:g} | {acc:.1f} |\n-->\n"
+    page = f"x\n{key}old\n<!-- /rows -->\n"
     out = renderer().render(page, tmp_path)
-    assert out == ("x\n<!-- rows:table file=t.csv model=a sort=budget\n| {model} | {budget:g} | {acc:.1f} |\n-->\n"
+    # the header (the template's lines before its first field) once, then a line per row, sorted by budget
+    assert out == (f"x\n{key}| model | budget | acc |\n|---|---|---|\n"
                    "| a | 0.25 | -3.0 |\n| a | 0.5 | 70.0 |\n<!-- /rows -->\n")
     assert renderer().render(out, tmp_path) == out
     with pytest.raises(ValueError, match=r"rows key 'table file=t.csv model=z': no rows match"):

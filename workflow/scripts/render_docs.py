@@ -7,7 +7,8 @@ hand. A page marks each number it states and each generated block:
 A value's key reads ``SOURCE FIELD=VALUE ... COLUMN [FORMAT]``: the table (SOURCES below), the row (every
 FIELD=VALUE must match; quote a value holding spaces), the column and a Python format spec (default .4g; ``s``: the cell as it is).
 Column ``min(COLUMN)`` or ``max(COLUMN)`` takes the extreme over
-every matching row. Column ``ci`` is the estimate with its 95% interval, "x [lo, hi]"; ``COLUMN~ci`` does the same for a column
+every matching row; ``max(min(COLUMN)/GROUP)`` the largest over GROUP's values of the smallest within each (a
+worst layer's best budget). Column ``ci`` is the estimate with its 95% interval, "x [lo, hi]"; ``COLUMN~ci`` does the same for a column
 whose bounds are COLUMN_lo and COLUMN_hi (the sensitivity table) or for a claim JSON's nested interval
 (``details.gain_over_confidence~ci``); ``width()`` or ``width(NAME)`` is such an interval's width. Minus signs
 are rendered as "−". Source
@@ -18,7 +19,9 @@ component of a per-configuration claim). Blocks: ``results-grid`` (one row per c
 results/claims_grid.md) and ``by-policy-<study>[-<model>]`` (a study's C2 and C3 per scorer, allocator and
 certain-head share, from results/claims_by_policy.csv; pooled over the models unless a model is named).
 
-A ``rows`` span renders a table's body, one template line per row of a source (``rows``):
+An ``include`` span holds a committed report under the results folder as it is (a benchmark's table):
+``<!-- include:calibration/tradeoff.md -->`` ... ``<!-- /include -->``. Source ``md_table file=PATH [table=N]``
+reads the rows of a committed markdown report's tables. A ``rows`` span renders a table's body, one template line per row of a source (``rows``):
 
     <!-- rows:table file=sensitivity/sensitivity.csv
     | {knob} | {value} | {budget:g} | {acc_full:.1f} |
@@ -182,6 +185,37 @@ def _constants(path):
     return row
 
 
+def _md_table(results, fields):
+    """The body rows of the markdown tables of a committed markdown file under ``results`` (``file=``; ``table=N``
+    the Nth table only, from 1), each keyed by its table's header cells (a benchmark's or a check's report)."""
+    name, which = fields.pop("file", None), fields.pop("table", None)
+    path = results / str(name)
+    if not name or not path.is_file():
+        raise DocError(f"md_table: no such file {name!r} (file= is relative to the results folder)")
+    tables = markdown_tables(path.read_text(encoding="utf-8"))
+    if which is not None:
+        if not str(which).isdigit() or not 1 <= int(which) <= len(tables):
+            raise DocError(f"md_table: {name} has {len(tables)} tables, no table={which}")
+        tables = [tables[int(which) - 1]]
+    return [dict(zip(header, cells)) for header, body in tables for cells in body]
+
+
+def markdown_tables(page_text):
+    """Every markdown table of a text: [(header cells, body rows of cells)], cells stripped, escaped pipes kept."""
+    tables, current = [], None
+    for line in page_text.splitlines():
+        if line.startswith("|"):
+            cells = [c.strip().replace("\0", "|") for c in line.replace("\\|", "\0").strip("|").split("|")]
+            if current is None:
+                current = (cells, [])
+                tables.append(current)
+            elif not set("".join(cells)) <= set("-: "):
+                current[1].append(cells)
+        else:
+            current = None
+    return tables
+
+
 def _probes(results, fields):
     """The task probes' tables (results/probes/*.csv), one row per model and task."""
     paths = sorted((results / "probes").glob("*.csv"))
@@ -201,6 +235,7 @@ SOURCES = {
     "cells": _cells,
     "yaml": _yaml,
     "const": _const,
+    "md_table": _md_table,
     "probes": _probes,
     "table": _table,
     "by_policy": lambda results, fields: _csv(results / "claims_by_policy.csv"),
@@ -223,7 +258,7 @@ def _files(results, source, fields):
         return [results.resolve().parent / fields["file"]]
     if source == "probes":
         return sorted((results / "probes").glob("*.csv"))
-    if source == "table":
+    if source in ("table", "md_table"):
         return [results / fields["file"]]
     return [results / {"claims": "claims.csv", "by_model": "claims_by_model.csv", "accuracy": "accuracy.csv",
                        "reproduction": "reproduction.csv", "sensitivity": "sensitivity/sensitivity.csv",
@@ -291,6 +326,14 @@ def value(results, key):
     if source == "accuracy" and rows:  # pooled over what the key leaves open
         n = sum(int(r["n"]) for r in rows)
         rows = [{"accuracy": sum(float(r["accuracy"]) * int(r["n"]) for r in rows) / n, "n": n}]
+    nested = re.fullmatch(r"(min|max)\((min|max)\((\w+)\)/(\w+)\)", column)
+    if nested and rows:  # OUTER(INNER(COLUMN)/GROUP): the inner extreme within each group, the outer over groups
+        groups = {}
+        for r in rows:
+            if str(r.get(nested[3], "")).strip():
+                groups.setdefault(r.get(nested[4]), []).append(float(r[nested[3]]))
+        inner = [(min if nested[2] == "min" else max)(values) for values in groups.values()]
+        rows = [{column: (min if nested[1] == "min" else max)(inner)}] if inner else []
     extreme = re.fullmatch(r"(min|max)\((\w+)\)", column)
     if extreme and rows:  # the smallest or largest of a column over every matching row
         pick = min if extreme[1] == "min" else max
@@ -317,6 +360,7 @@ def value(results, key):
 
 # --- rows: a table's body from a source -------------------------------------------------------------------------
 
+INCLUDE = re.compile(r"<!-- include:(?P<file>\S+) -->\n(?P<shown>.*?)<!-- /include -->", re.S)
 ROWS = re.compile(r"<!-- rows:(?P<key>[^\n]*)\n(?P<template>.*?)-->\n(?P<shown>.*?)<!-- /rows -->", re.S)
 
 
@@ -330,8 +374,9 @@ class _Cells(string.Formatter):
 
 
 def rows(results, key, template):
-    """The lines of a ``rows`` span: ``template`` (one or more lines with ``{COLUMN[:FORMAT]}`` fields) filled
-    once per row of the key's source, in the source's order or sorted by ``sort=A,B`` (numbers as numbers).
+    """The lines of a ``rows`` span: ``template``'s lines up to the first with a ``{COLUMN[:FORMAT]}`` field as
+    they are (a table's header and separator: a comment inside a markdown table would end it), then the rest
+    filled once per row of the key's source, in the source's order or sorted by ``sort=A,B`` (numbers as numbers).
     The key is ``SOURCE FIELD=VALUE ...`` as a value's, without a column; ``by=A,B`` pools source accuracy
     over everything but A, B (accuracy weighted by n, n summed), one row per combination."""
     try:
@@ -360,8 +405,11 @@ def rows(results, key, template):
         found.sort(key=sort_key)
     if not found:
         raise DocError(f"rows key {key!r}: no rows match")
+    lines = template.splitlines(keepends=True)
+    first = next((i for i, line in enumerate(lines) if "{" in line), len(lines))
+    head, each = "".join(lines[:first]), "".join(lines[first:])
     try:
-        return "".join(_Cells().format(template, **row) for row in found)
+        return head + "".join(_Cells().format(each, **row) for row in found)
     except (KeyError, ValueError) as err:
         raise DocError(f"rows key {key!r}: template field {err}") from None
 
@@ -490,7 +538,11 @@ def hand_written(page_text):
     DEFINITIONS, as (line number, the number, its context) in page order."""
     blanked = BLOCK.sub(lambda m: _blank(m[0]), page_text)
     blanked = VALUE.sub(lambda m: _blank(m[0]), blanked)
-    blanked = ROWS.sub(lambda m: _blank(m[0]), blanked)
+    # a rows span's output is rendered; its template's own text (a header, words around the fields) is not
+    blanked = INCLUDE.sub(lambda m: _blank(m[0]), blanked)
+    blanked = ROWS.sub(lambda m: _blank(m[0][:m.start("template") - m.start()])
+                       + re.sub(r"\{[^{}\n]*\}", lambda f: _blank(f[0]), m["template"])
+                       + _blank(m[0][m.end("template") - m.start():]), blanked)
     for pattern in UNCOUNTED:
         blanked = pattern.sub(lambda m: _blank(m[0]), blanked)
     found = []
@@ -530,12 +582,20 @@ def render(page_text, results, where="page"):
         except DocError as err:
             raise DocError(f"{where}: {err}") from None
         return f"<!-- rows:{match['key']}\n{match['template']}-->\n{shown}<!-- /rows -->"
+    def one_include(match):
+        path = Path(results) / match["file"]
+        if not path.is_file():
+            raise DocError(f"{where}: include: no such file {match['file']!r} (relative to the results folder)")
+        shown = path.read_text(encoding="utf-8")
+        return f"<!-- include:{match['file']} -->\n{shown}{'' if shown.endswith(chr(10)) else chr(10)}<!-- /include -->"
     opened = len(re.findall(r"<!-- value:", page_text))
     if opened != len(VALUE.findall(page_text)):
         raise DocError(f"{where}: a <!-- value:... --> span lacks its <!-- /value -->")
     if len(re.findall(r"<!-- rows:", page_text)) != len(ROWS.findall(page_text)):
         raise DocError(f"{where}: a <!-- rows:... --> span lacks its <!-- /rows -->")
-    return ROWS.sub(one_rows, BLOCK.sub(one_block, VALUE.sub(one_value, page_text)))
+    if len(re.findall(r"<!-- include:", page_text)) != len(INCLUDE.findall(page_text)):
+        raise DocError(f"{where}: a <!-- include:FILE --> span lacks its <!-- /include -->")
+    return INCLUDE.sub(one_include, ROWS.sub(one_rows, BLOCK.sub(one_block, VALUE.sub(one_value, page_text))))
 
 
 def inputs(pages, results):
@@ -545,6 +605,7 @@ def inputs(pages, results):
         text = Path(page).read_text(encoding="utf-8")
         for match in VALUE.finditer(text):
             files.update(source_files(results, match["key"]))
+        files.update(Path(results) / m["file"] for m in INCLUDE.finditer(text))
         for match in ROWS.finditer(text):
             words = shlex.split(match["key"])
             files.update(_files(Path(results), words[0], dict(w.split("=", 1) for w in words[1:])))
