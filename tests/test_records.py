@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from kvcert.analysis import prereg
-from kvcert.scales import load_scale, override_value, studies
+from kvcert.scales import current_study, design_reference, load_scale, override_value, studies
 
 ROOT = prereg.find_root(__file__)
 RECORDS = [("v1", "v1"), ("v2", "v2"), ("v2-full", "v2-full"), ("v3", "v3"), ("v4", "v4"), ("v4-full", "v4-full")]
@@ -95,22 +95,24 @@ def test_amendment_4s_powered_record_repeats_study_v4s_oracle_cells_byte_for_byt
             assert a["outputs_sha256"][table] == b["outputs_sha256"][table], (cell, table)
 
 
-def test_study_v5_is_its_design_made_by_one_clean_library():
-    """Study v5 runs one cell per (kind, model, allocator, share) over the same items, so its claims count items,
-    not cells: C1 and C2 the question-aware items of one configuration, C3 the oracle items, C7 the streaming items,
-    each as design.yaml's 90-minute counts give them."""
-    design = yaml.safe_load((ROOT / "preregistration" / "amendment-5" / "design.yaml").read_text())
-    counts = design["reproduce_90_minutes"]["counts"]
+def test_the_current_study_is_its_design_made_by_one_clean_library():
+    """The default scale's current study (v5 today, read from the scale) runs one cell per (kind, model,
+    configuration) over the same items, so its claims count items, not cells: C1 and C2 the question-aware items of
+    one configuration, C3 the oracle items, C7 the streaming items, each as its design.yaml's counts give them."""
+    scales = ROOT / "workflow" / "scales"
+    study = current_study(scales)
+    design_file, key = design_reference(scales, "default", study)
+    counts = yaml.safe_load(design_file.read_text())[key.split(".")[0]]["counts"]
     fingerprints = set()
-    for name, cell in _cells("default", "v5").items():
-        manifests = _manifests("v5", name, cell)
+    for name, cell in _cells("default", study).items():
+        manifests = _manifests(study, name, cell)
         assert sum(m["n_shard_items"] for m in manifests) == _n_items(cell), name
         assert not any(m["source"]["dirty"] for m in manifests), name
         fingerprints |= {m["code_fingerprint"] for m in manifests}
         kind, model = name.split("-")[:2]
         assert _n_items(cell) == counts[f"{kind}-{model}"], name
-    assert len(fingerprints) == 1, f"study v5 was made by {len(fingerprints)} libraries"
-    counted = {c: json.loads((ROOT / "results" / "v5" / "claims" / f"{c}.json").read_text())["n"]
+    assert len(fingerprints) == 1, f"study {study} was made by {len(fingerprints)} libraries"
+    counted = {c: json.loads((ROOT / "results" / study / "claims" / f"{c}.json").read_text())["n"]
                for c in ("c1", "c2", "c3", "c7")}
     per_kind = {kind: sum(n for cell, n in counts.items() if cell.startswith(kind + "-"))
                 for kind in ("qa", "oracle", "streaming")}

@@ -111,6 +111,14 @@ def amendment_data(document: Path) -> dict:
     return _fill(doc, extra, where)
 
 
+def source_of(document: Path, key: str) -> str:
+    """The file that states the top-level ``key`` of an amendment's data (the document, else its sidecar), as a
+    committed file names it: errors about the key name that file."""
+    doc = yaml.safe_load(Path(document).read_text())
+    sidecar = _sidecar_of(document)[0]
+    return shown_path(sidecar if isinstance(doc, dict) and key not in doc and sidecar.is_file() else document)
+
+
 def _label(variant) -> str:
     return variant if isinstance(variant, str) else variant.get("label") or variant["name"]
 

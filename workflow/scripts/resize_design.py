@@ -459,7 +459,7 @@ def amendment_main(command: str, argv: list[str]) -> None:
     args = parser.parse_args(argv)
     pilot = _pilot_script()
     doc = pilot.amendment_data(args.amendment)
-    where = pilot.shown_path(args.amendment)
+    where = pilot.source_of(args.amendment, "plan")
     spec = plan_of(doc, where)
     spec = smoke_spec(spec) if args.smoke else spec
     population = yaml.safe_load(args.population.read_text())
