@@ -215,13 +215,18 @@ def c3_items(claims_dirs: dict[str, Path], spans: dict[str, float]) -> dict:
 
 def amended_streaming(document: Path) -> dict:
     """C6 and C7 as the amended version (``amends.version``) sized them: its locked power.yaml's streaming items
-    per model and its design.yaml's C6 floor (pooled streaming items)."""
+    per model and its design.yaml's C6 floor (pooled streaming items), or, where the amended version used this
+    method too, what its power.yaml carried forward (``c6_c7``)."""
     from kvcert.analysis import prereg
 
     doc = yaml.safe_load(Path(document).read_text())
     root = prereg.find_root(Path(document).resolve().parent)
     amended = prereg.version(int(doc["amends"]["version"]), root)
     power = yaml.safe_load((root / amended.folder / "power.yaml").read_text())
+    if isinstance(power.get("c6_c7"), dict):  # the amended version carried them forward itself (this method's output)
+        carried = power["c6_c7"]
+        return {"from": [f"{amended.folder}/power.yaml"], **{k: carried[k] for k in (
+            "streaming_items_per_model", "streaming_items", "c6_floor_items")}}
     design = yaml.safe_load((root / amended.folder / "design.yaml").read_text())
     return {"from": [f"{amended.folder}/power.yaml", f"{amended.folder}/design.yaml"],
             "streaming_items_per_model": int(power["per_model"]["streaming"]),
