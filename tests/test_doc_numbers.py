@@ -28,16 +28,16 @@ HAND_WRITTEN = {
     "docs/cluster.md": 131,
     "docs/errors.md": 18,
     "docs/library.md": 66,
-    "docs/pipeline.md": 145,
+    "docs/pipeline.md": 43,
     "docs/studies/certified-budgets.md": 195,
     "docs/studies/sensitivity.md": 25,
     "docs/studies/v1.md": 96,
     "docs/studies/v2-full.md": 24,
     "docs/studies/v2.md": 68,
-    "docs/studies/v3.md": 46,
+    "docs/studies/v3.md": 36,
     "docs/studies/v4-full.md": 31,
-    "docs/studies/v4.md": 107,
-    "docs/studies/v5.md": 70,
+    "docs/studies/v4.md": 89,
+    "docs/studies/v5.md": 44,
 }
 
 
