@@ -188,3 +188,27 @@ def test_a_script_loaded_twice_registers_the_same_functions_again():
     again = _script("pilot")
     assert sorted(first) == sorted(again.PILOTS) == ["reuse_population", "staged", "threshold"]
     assert again.POPULATION_STEPS == {"staged": "per_model", "reuse_population": "whole"}
+
+
+def test_a_registered_configuration_column_keeps_the_other_claims_on_its_default(monkeypatch):
+    """A later factor's column (amendment 6's tail mix, say) registered with its default: the claims that are not
+    decided per configuration read only the rows at that default (a missing value is the default); with nothing
+    registered, every table is read as it is (the committed studies)."""
+    import pandas as pd
+
+    from kvcert.analysis.claims import ClaimDef, Tables
+
+    items = pd.DataFrame({"tail_mix": [0.0, 0.2, None, 1.0], "item_id": ["a", "b", "c", "d"]})
+    seen = []
+
+    def run_claim(claim_id, tables, spec, conventions, opts):
+        seen.append(list(tables.items["item_id"]))
+
+    run = registry.on_default_configuration({"c1": ClaimDef(lambda *a: None, ("items",))}, run_claim)
+    run("c1", Tables(items=items), {}, {}, None)
+    monkeypatch.setattr(registry, "CONFIGURATION_COLUMNS", {})
+    registry.register_configuration_column("tail_mix", 0.0)
+    run("c1", Tables(items=items), {}, {}, None)
+    assert seen == [["a", "b", "c", "d"], ["a", "c"]]
+    with pytest.raises(ValueError, match="registered with default 0.0"):
+        registry.register_configuration_column("tail_mix", 0.5)

@@ -184,16 +184,45 @@ def analysis(version) -> Analysis:
     return registry, on_default_configuration(registry, run_claim)
 
 
+# Configuration columns a later design factor adds to the items and steps tables (beyond strata's allocator and
+# head_fraction), each with the value a row without the column ran at: {column: default}. A module that adds a
+# factor registers its column (``register_configuration_column``); the claims not decided per configuration then
+# read the rows at its default only. None is registered today, so every committed table is read as before.
+CONFIGURATION_COLUMNS: dict[str, float] = {}
+
+
+def register_configuration_column(column: str, default: float) -> None:
+    if CONFIGURATION_COLUMNS.setdefault(column, default) != default:
+        raise ValueError(f"configuration column {column!r} is registered with default {CONFIGURATION_COLUMNS[column]}")
+
+
+def _at_defaults(tables: Tables) -> Tables:
+    """``tables`` restricted to the rows at every registered configuration column's default (a missing column or
+    value is the default)."""
+    import numpy as np
+
+    def rows(df):
+        if df is None or not CONFIGURATION_COLUMNS:
+            return df
+        keep = np.ones(len(df), dtype=bool)
+        for column, default in CONFIGURATION_COLUMNS.items():
+            if column in df.columns:
+                keep &= np.isclose(df[column].astype(float).fillna(default).to_numpy(), default)
+        return df if keep.all() else df[keep]
+    return Tables(items=rows(tables.items), steps=rows(tables.steps))
+
+
 def on_default_configuration(registry: dict[str, ClaimDef], run_claim: Callable[..., ClaimResult]):
     """``run_claim`` with every claim that does not decide per configuration reading the default configuration's
     rows only (kvcert.analysis.strata.default_configuration: the identity on tables without allocator and
-    head_fraction columns, which is every table of versions 1-4)."""
+    head_fraction columns, which is every table of versions 1-4; then every registered configuration column at
+    its default)."""
     from kvcert.analysis import strata
 
     def run(claim_id: str, tables: Tables, spec: dict, conventions: dict, opts: Options) -> ClaimResult:
         definition = registry.get(claim_id)
         if definition is not None and not strata.reads_configurations(definition.fn):
-            tables = strata.default_configuration(tables)
+            tables = _at_defaults(strata.default_configuration(tables))
         return run_claim(claim_id, tables, spec, conventions, opts)
     return run
 
