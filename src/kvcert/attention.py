@@ -311,6 +311,8 @@ def kvcert_attention(
         raise ValueError("kvcert: a padded batch cannot attend to a CompressedCache (its rows are configurations "
                          "of one prompt); decode prompts one at a time")
     layer = ctx.cache.layers[module.layer_idx]
+    if ctx.compressor is not None and ctx.observations is None:
+        ctx.compressor.observe(module.layer_idx, query)  # the window queries of a decode-time compression
     if ctx.observations is not None:
         out = prefill_attention(module, ctx.observations[module.layer_idx], layer, query, key, value, scale, sliding)
     elif not layer.compressed:

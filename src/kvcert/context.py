@@ -56,11 +56,14 @@ class AttentionContext:
     recorder: CertificateRecorder | None = None
     oracle: CompressedCache | None = field(default=None, repr=False)
     samplers: dict[int, list[DecodeSampler]] = field(default_factory=dict, repr=False)
+    # kvcert.decode_compression.DecodeCompressor: keeps the cache under a decode-time bound (None: no bound)
+    compressor: object | None = field(default=None, repr=False)
     _tails: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def tail_one_minus_pi(self, layer_idx: int) -> torch.Tensor:
         """1 − π of layer ``layer_idx``'s first ``n_sampled_slots`` slots, the only ones that may have π < 1,
-        (batch, kv_heads, t) contiguous: computed once per decoding (the retained sets never change)."""
+        (batch, kv_heads, t) contiguous: computed once per retained set (a decode-time compression drops the
+        layer's)."""
         if layer_idx not in self._tails:
             layer = self.cache.layers[layer_idx]
             self._tails[layer_idx] = one_minus_pi(layer.log_pi[..., : layer.n_sampled_slots]).contiguous()

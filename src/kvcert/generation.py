@@ -235,6 +235,10 @@ class Decoded:
     attention_path: dict | None = None
     kept_bytes: int = 0
     target_choice: pd.DataFrame | None = None  # with a target: kvcert.targets.CHOICE_COLUMNS per layer and KV head
+    # with max_cache_tokens (kvcert.decode_compression): the most slots a (layer, KV head) held after a pass, and
+    # how many layer compressions the decoding made; None and 0 without a bound
+    peak_cache_tokens: int | None = None
+    decode_compressions: int = 0
 
 
 def _empty_steps() -> pd.DataFrame:
@@ -361,6 +365,7 @@ class Decoding:
         oracle: bool = False,
         delta: float = RUN.delta,
         randomized: list[bool] | None = None,
+        compressor=None,
     ):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
@@ -370,8 +375,15 @@ class Decoding:
         self.max_new_tokens, self.stop_ids, self.delta = max_new_tokens, stop_ids or set(), delta
         rows = len(configurations)
         suffix = state.suffix_ids
-        self.context = decoding_context(state, configurations, reserve=suffix.shape[-1] + max_new_tokens,
-                                        certify=certify, oracle=oracle)
+        reserve = suffix.shape[-1] + max_new_tokens
+        if compressor is not None:  # kvcert.decode_compression: the buffers hold max_cache_tokens slots at most
+            if rows != 1 or configurations[0] is None:
+                raise ValueError("max_cache_tokens: decode-time compression decodes one compressed configuration "
+                                 "at a time")
+            widest = max(sel.index.shape[-1] for sel in configurations[0])
+            reserve = max(0, min(reserve, compressor.bound.max_cache_tokens - widest))
+        self.context = decoding_context(state, configurations, reserve=reserve, certify=certify, oracle=oracle)
+        self.context.compressor = compressor
         self.cache, self.recorder = self.context.cache, self.context.recorder
         self.randomized = randomized if randomized is not None else [
             c is not None and any(sel.has_tail for sel in c) for c in configurations
@@ -406,6 +418,8 @@ class Decoding:
 
     def _forward(self, ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """One forward pass of (rows, m) ids on the derived cache; the last position's logits (rows, vocab)."""
+        if self.context.compressor is not None:
+            self.context.compressor.before_pass(self.context, ids.shape[-1])
         with attach(self.model, self.context):  # bound: some architectures do not forward keywords to attention
             return self.model(input_ids=ids, **self._kwargs, **kwargs).logits[:, -1].float()
 
@@ -422,6 +436,9 @@ class Decoding:
                      else _empty_steps())
             out.append(Decoded(self.tokens[r], self.logprobs[r], steps, retained, cache_bytes, full_bytes,
                                attention_path=path if selections is not None else None, kept_bytes=kept_bytes))
+        if self.context.compressor is not None:
+            out[0].peak_cache_tokens = self.context.compressor.peak
+            out[0].decode_compressions = self.context.compressor.compressions
         return out
 
 
@@ -436,12 +453,14 @@ def decode_batch(
     oracle: bool = False,
     delta: float = RUN.delta,
     randomized: list[bool] | None = None,
+    compressor=None,
 ) -> list[Decoded]:
-    """Greedy generation for several configurations of one prompt at once, one batch row each (see ``Decoding``)."""
+    """Greedy generation for several configurations of one prompt at once, one batch row each (see ``Decoding``);
+    compressor: a ``kvcert.decode_compression.DecodeCompressor`` keeping one configuration's cache under its bound."""
     if not configurations and max_new_tokens >= 1:
         return []  # nothing to decode; Decoding reports every bad argument, an empty list included
     decoding = Decoding(model, state, configurations, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                        certify=certify, oracle=oracle, delta=delta, randomized=randomized)
+                        certify=certify, oracle=oracle, delta=delta, randomized=randomized, compressor=compressor)
     while decoding.advance():
         pass
     return decoding.results()
@@ -543,6 +562,8 @@ def decode_configurations(
     allocator_options: dict | None = None,
     target: Target | None = None,
     calibration=None,
+    decode_bound=None,
+    policy_options: dict | None = None,
 ) -> list[Decoded]:
     """Several configurations of one prefilled prompt, decoded together: one Decoded per configuration, in order.
 
@@ -550,14 +571,28 @@ def decode_configurations(
     each configuration's selections (``configuration_selections``), one ``decode_batch``, then, given a
     calibration (loaded and checked: ``kvcert.calibration.prepare_calibration``), its calibrated certificate
     added to the compressed configurations' steps; with a target, each Decoded carries its ``target_choice``.
+    decode_bound: a ``kvcert.decode_compression.DecodeBound`` (one compressed configuration): the cache is compressed
+    again with the configuration's policy (its ``policy_options``) and design whenever decoding would exceed it.
     """
+    compressor = None
+    if decode_bound is not None:
+        from .decode_compression import DecodeCompressor
+
+        if len(configurations) != 1 or configurations[0].is_full:
+            raise ValueError("max_cache_tokens: decode-time compression decodes one compressed configuration at a "
+                             "time")
+        conf = configurations[0]
+        compressor = DecodeCompressor(
+            decode_bound, policy=conf.policy, design=conf.design, options=options, policy_options=policy_options,
+            seed=conf.seed if item_id is None else item_seed(conf.seed, item_id), observations=state.observations,
+            window=state.observations[0].window)
     picked = [configuration_selections(state, conf, item_id=item_id, options=options, allocator=allocator,
                                        allocator_options=allocator_options, target=target, calibration=calibration)
               for conf in configurations]
     decoded = decode_batch(
         model, state, [selections for selections, _ in picked], max_new_tokens=max_new_tokens, stop_ids=stop_ids,
         certify=certify, oracle=oracle, delta=delta,
-        randomized=[not conf.is_full and conf.design == "poisson" for conf in configurations],
+        randomized=[not conf.is_full and conf.design == "poisson" for conf in configurations], compressor=compressor,
     )
     for conf, out, (_, choice) in zip(configurations, decoded, picked):
         out.target_choice = choice
@@ -622,6 +657,8 @@ def generate(
     target_error: float | None = None,
     target_delta: float | None = None,
     target_floor: float | str | None = RUN.target_floor,
+    max_cache_tokens: int | None = None,
+    compression_interval: int | None = None,
 ) -> GenerationResult:
     """Generate an answer to ``question`` about ``context`` on a compressed cache, with certificates.
 
@@ -644,7 +681,12 @@ def generate(
     predicted on the observation window's queries, is within ε; the choice is ``target_choice``. Pairs that
     miss ε even at the cap keep the cap, and a ``TargetNotMetWarning`` says how many; target_floor: what every KV
     head keeps at least, the target choosing only what it adds: ``"half_cap"`` (the default, half of ``budget``), a
-    fraction of the prefix (at most ``budget``), or None (no floor).
+    fraction of the prefix (at most ``budget``), or None (no floor). max_cache_tokens / compression_interval:
+    compression during long generations (``kvcert.decode_compression``): no (layer, KV head) holds more than
+    ``max_cache_tokens`` slots while decoding, the cache being compressed again with the same policy and design
+    (the certificate with the stages' compound π) whenever the next pass would exceed it, to an expected
+    ``max_cache_tokens − compression_interval``; the result's ``peak_cache_tokens`` and ``decode_compressions``
+    say what happened. None (the default): compressed once, after the prefill.
 
     Defaults serve, not study: no oracle unless ``oracle=True`` (the oracle keeps the full prefix and measures the
     true error), the model as it is (its own dtype and device), and ``max_new_tokens=None`` takes the model's
@@ -652,6 +694,15 @@ def generate(
     study's own values of each.
     """
     max_new_tokens = new_token_limit(model, max_new_tokens)
+    decode_bound = None
+    if max_cache_tokens is not None or compression_interval is not None:
+        from .decode_compression import check_decode_bound
+
+        if policy == FULL:
+            raise ValueError(f"max_cache_tokens={max_cache_tokens!r} with policy='full': decode-time compression "
+                             "re-applies a compressing policy (for no compression at the prefill: budget=1.0)")
+        decode_bound = check_decode_bound(max_cache_tokens, compression_interval, policy=policy, design=design,
+                                          options=options, policy_options=policy_options, who="kvcert.generate")
     target = None if policy == FULL else check_target(design, target_error, target_delta, target_floor)
     floor = None if target is None else target.floor_at(budget)
     if floor is not None and floor > budget:
@@ -660,6 +711,11 @@ def generate(
     prompt = build_prompt(tokenizer, context, question, answer_prefix, setting=setting,
                           max_new_tokens=max_new_tokens, limit=model_limit(model, max_context_tokens),
                           truncate=truncate, chat_template=chat_template)
+    fed_at_once = prompt.suffix_ids.shape[-1]
+    if decode_bound is not None and decode_bound.target(fed_at_once) <= options.n_sink + options.n_recent:
+        raise ValueError(f"kvcert.generate: max_cache_tokens={decode_bound.max_cache_tokens} leaves no room for the "
+                         f"question's {fed_at_once} tokens beyond n_sink={options.n_sink} + "
+                         f"n_recent={options.n_recent} (setting={setting!r} feeds them at once)")
     full = policy == FULL
     get_allocator(allocator, **(allocator_options or {}))  # a bad name or option is refused before the prefill
     if target is not None and allocator != "uniform":
@@ -681,7 +737,7 @@ def generate(
         model, state, [configuration], item_id=item_id, max_new_tokens=max_new_tokens,
         stop_ids=eos_ids(model, tokenizer), certify=certify, oracle=oracle, delta=delta, options=options,
         allocator=allocator, allocator_options=allocator_options, target=target,
-        calibration=None if full else calibration,
+        calibration=None if full else calibration, decode_bound=decode_bound, policy_options=policy_options,
     )
     if decoded.target_choice is not None and (message := cap_binding_message(decoded.target_choice, target, budget)):
         warnings.warn(message, TargetNotMetWarning, stacklevel=2)

@@ -48,9 +48,10 @@ from .allocators import ALLOCATORS, get_allocator
 from .attention import ATTENTION_NAME, padding_mask, register
 from .cache import CompressedCache
 from .context import AttentionContext
+from .decode_compression import DecodeCompressor, check_decode_bound
 from .designs import DESIGNS, DesignOptions
 from .generation import (RUN, Configuration, PrefillRecording, _footprint, _steps_frame, configuration_selections,
-                         decode_batch, decoding_context, eos_ids, generate, new_token_limit, prefill)
+                         decode_batch, decoding_context, eos_ids, generate, item_seed, new_token_limit, prefill)
 from .prompts import build_prompt, model_limit
 from .policies import get_policy, prefill_needs
 from .targets import TargetNotMetWarning, cap_binding_message, check_target
@@ -86,6 +87,8 @@ class AnswerCertificate:
     full_bytes: int
     kept_bytes: int
     target_choice: pd.DataFrame | None = None
+    peak_cache_tokens: int | None = None  # with max_cache_tokens: the most slots a layer held after a pass
+    decode_compressions: int = 0  # with max_cache_tokens: layer compressions while decoding
 
     @property
     def n_steps(self) -> int:
@@ -131,7 +134,11 @@ class Press:
     the true error against the full cache (the prompt's uncompressed cache is kept); delta: the certificate's
     level; target_error / target_delta / target_floor: a target relative error instead of a fixed budget (the
     budget its cap; ``kvcert.targets``; the floor's default is ``kvcert.generate``'s); eps: the threshold of
-    ``certificate.exceeded``.
+    ``certificate.exceeded``; max_cache_tokens / compression_interval: compression during long generations
+    (``kvcert.decode_compression``): while decoding no (layer, KV head) holds more than ``max_cache_tokens`` slots,
+    the cache being compressed again with the same policy and design (the certificate with the stages' compound
+    π) whenever the next token would exceed it, to an expected ``max_cache_tokens − compression_interval`` (None:
+    compressed once, after the prefill; one prompt per call).
 
     After each answer, ``certificate`` is that answer's ``AnswerCertificate`` (None before the first).
     """
@@ -154,6 +161,8 @@ class Press:
     target_delta: float | None = None
     target_floor: float | str | None = _GENERATE_DEFAULTS["target_floor"]
     eps: float = DEFAULT_EPS
+    max_cache_tokens: int | None = None
+    compression_interval: int | None = None
     _answer: tuple | None = field(default=None, init=False, repr=False)  # the last answer's (steps(), fields)
 
     def __post_init__(self):
@@ -183,6 +192,9 @@ class Press:
         if not 0.0 < self.delta < 1.0:
             raise ValueError(f"kvcert.press: delta={self.delta!r} must lie in (0, 1)")
         self._target = target
+        self._decode_bound = check_decode_bound(self.max_cache_tokens, self.compression_interval, policy=self.policy,
+                                                design=self.design, options=self.options,
+                                                policy_options=self.policy_options, who="kvcert.press")
 
     @contextmanager
     def __call__(self, model) -> Iterator:
@@ -218,6 +230,7 @@ class Press:
         if self._answer is None:
             return None
         steps, fields = self._answer
+        fields = {k: v() if callable(v) else v for k, v in fields.items()}  # a decode-time bound's counts, as now
         return AnswerCertificate(steps=steps(), eps=self.eps, **fields)
 
     @torch.no_grad()
@@ -257,11 +270,23 @@ class Press:
             asked = dataclasses.replace(state, suffix_ids=prompt.suffix_ids.to(prefix.device))
             decoded, = decode_batch(model, asked, [selections], max_new_tokens=max_new_tokens,
                                     stop_ids=eos_ids(model, tokenizer), certify=self.certify, oracle=self.oracle,
-                                    delta=self.delta, randomized=[self.design == "poisson"])
+                                    delta=self.delta, randomized=[self.design == "poisson"],
+                                    compressor=self._compressor(state))
+            fields = {**fields, "peak_cache_tokens": decoded.peak_cache_tokens,
+                      "decode_compressions": decoded.decode_compressions}
             self._answer = (lambda steps=decoded.steps: steps, fields)
             answers.append(PressAnswer(tokenizer.decode(decoded.token_ids, skip_special_tokens=True),
                                        decoded.token_ids, self.certificate))
         return answers
+
+    def _compressor(self, state) -> DecodeCompressor | None:
+        """A decoding's DecodeCompressor (None without max_cache_tokens), its window seeded by ``state``'s prefill."""
+        if self._decode_bound is None:
+            return None
+        seed = self.seed if self.item_id is None else item_seed(self.seed, self.item_id)
+        return DecodeCompressor(self._decode_bound, policy=self.policy, design=self.design, options=self.options,
+                                seed=seed, policy_options=self.policy_options, observations=state.observations,
+                                window=self.observation_window)
 
     def _record(self, recorder, randomized: bool, fields: dict) -> None:
         """A new answer has started: its recorder fills while it is generated."""
@@ -353,6 +378,9 @@ class _Run:
         key = "cache" if "cache" in kwargs else "past_key_values"
         cache = kwargs.get(key)
         if isinstance(cache, PressCache):
+            if self.context is not None and self.context.compressor is not None:  # a decode-time bound
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                self.context.compressor.before_pass(self.context, ids.shape[-1])
             return None  # a decode step on a compressed cache
         if not isinstance(cache, Cache):
             if kwargs.get("use_cache") is False:
@@ -392,14 +420,20 @@ class _Run:
         selections, choice = configuration_selections(state, configuration, item_id=p.item_id, options=p.options,
                                                       allocator=p.allocator, allocator_options=p.allocator_options,
                                                       target=p._target)
-        self.context = decoding_context(state, [selections], reserve=RESERVE, certify=p.certify, oracle=p.oracle)
+        compressor = p._compressor(state)
+        reserve = RESERVE if compressor is None else max(
+            0, compressor.bound.max_cache_tokens - max(sel.index.shape[-1] for sel in selections))
+        self.context = decoding_context(state, [selections], reserve=reserve, certify=p.certify, oracle=p.oracle)
+        self.context.compressor = compressor
         self.cache.layers = self.context.cache.layers  # generate holds this cache: it now holds the kept slots
         if choice is not None and (message := cap_binding_message(choice, p._target, p.budget)):
             warnings.warn(message, TargetNotMetWarning, stacklevel=2)
         retained, cache_bytes, full_bytes, kept_bytes = _footprint(state, selections)
         p._record(self.context.recorder, p.design == "poisson",
                   {"retained_tokens": retained, "context_tokens": state.context_tokens, "cache_bytes": cache_bytes,
-                   "full_bytes": full_bytes, "kept_bytes": kept_bytes, "target_choice": choice})
+                   "full_bytes": full_bytes, "kept_bytes": kept_bytes, "target_choice": choice,
+                   **({} if compressor is None else {"peak_cache_tokens": lambda: compressor.peak,
+                                                     "decode_compressions": lambda: compressor.compressions})})
         return None
 
 
