@@ -29,6 +29,7 @@ LAYERS = {
     "kvcert.cache": 3,  # stores slots only: nothing of certificates, calibration or kernels
     "kvcert.context": 4,  # what a pass does beside attending: observations, recorder, oracle
     "kvcert.targets": 4,  # a target error -> per-head expected sample sizes (reads calibration factors)
+    "kvcert.decode_compression": 4,  # a decode-time bound: re-compresses a cache's slots with a policy and design
     "kvcert.attention": 5,
     "kvcert.generation": 6,
     "kvcert.theory": 7, "kvcert.costs": 7, "kvcert.standins": 7,
