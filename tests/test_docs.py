@@ -369,8 +369,9 @@ def test_glossary_gives_the_codes_default_level():
 
     assert default_level(0.05) == pytest.approx(0.99)
     glossary = text(DOCS / "GLOSSARY.md")
-    assert "default 1 − δ/5: 0.99 at δ = 0.05" in glossary
-    assert "level 1 − δ/5 = 0.99" in text(DOCS / "calibration.md")
+    delta = "<!-- value:yaml file=preregistration/claims.yaml conventions.delta g -->0.05<!-- /value -->"
+    assert f"default 1 − δ/5, at the pre-registered δ = {delta}" in glossary
+    assert "level 1 − δ/5" in text(DOCS / "calibration.md")
 
 
 # --- times: one source --------------------------------------------------------------------------------------

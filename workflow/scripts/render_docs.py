@@ -157,9 +157,10 @@ def _table(results, fields):
 
 
 def _const(results, fields):
-    """The module-level constants of a Python file (``file=``, relative to the repository: a module under src/kvcert
-    or a script under workflow/scripts) as one row, read from its source without importing it: every top-level
-    ``NAME = literal`` (tuple assignments ``A, B = 1, 2`` included) whose value ``ast.literal_eval`` reads."""
+    """The constants of a Python file (``file=``, relative to the repository: a module under src/kvcert or a
+    script under workflow/scripts) as one row, read from its source without importing it: every top-level
+    ``NAME = literal`` (tuple assignments ``A, B = 1, 2`` included) whose value ``ast.literal_eval`` reads, and a
+    class's as ``Class.NAME``. A tuple or list is shown as its items, each in the key's format, joined by ", "."""
     name = fields.pop("file", None)
     path = results.resolve().parent / str(name)
     if not name or not path.is_file() or path.suffix != ".py":
@@ -169,8 +170,17 @@ def _const(results, fields):
 
 @lru_cache(maxsize=None)
 def _constants(path):
+    return _literals(ast.parse(Path(path).read_text(encoding="utf-8")).body)
+
+
+def _literals(body, prefix=""):
+    """``NAME = literal`` assignments of a module's or a class's body; a class's as ``Class.NAME`` (a dataclass
+    field's default)."""
     row = {}
-    for node in ast.parse(Path(path).read_text(encoding="utf-8")).body:
+    for node in body:
+        if isinstance(node, ast.ClassDef) and not prefix:
+            row.update(_literals(node.body, f"{node.name}."))
+            continue
         target, value = (node.targets[0], node.value) if isinstance(node, ast.Assign) and len(node.targets) == 1 \
             else (node.target, node.value) if isinstance(node, ast.AnnAssign) and node.value is not None else (None, None)
         names = [target] if isinstance(target, ast.Name) else list(target.elts) if isinstance(target, ast.Tuple) else []
@@ -179,7 +189,7 @@ def _constants(path):
             continue
         for n, v in zip(names, values):
             try:
-                row[n.id] = ast.literal_eval(v)
+                row[prefix + n.id] = ast.literal_eval(v)
             except ValueError:
                 continue
     return row
@@ -355,6 +365,8 @@ def value(results, key):
         raise DocError(f"value key {key!r}: no column {column!r}; the row has {', '.join(row)}")
     if spec == "s":
         return str(row[column])
+    if isinstance(row[column], (list, tuple)):  # a constant's items: NORM_WEIGHTS as 0, 0.001, ..., 1
+        return ", ".join(_number(item, spec) for item in row[column])
     return _number(row[column], spec)
 
 
@@ -510,7 +522,7 @@ def block(results, name):
 # --- hand-written numbers ----------------------------------------------------------------------------------------
 
 # A number as a reader meets it: digits, with thousands commas and decimals, not inside a word (v5, C3, H200).
-NUMBER = re.compile(r"(?<![\w.,])[+−-]?\d[\d,]*(?:\.\d+)?(?![\w]|\.\d)")
+NUMBER = re.compile(r"(?<![\w.,])[+−-]?\d[\d,]*(?:\.\d+)?(?:[eE][+−-]?\d+)?(?![\w]|\.\d)")
 # What is no datum although it holds digits, each a definition rather than a measurement or a setting:
 DEFINITIONS = {
     # code: a command or a literal the reader types (tests/test_docs.py checks its names against the code)
@@ -521,12 +533,16 @@ DEFINITIONS = {
     "version": r"\b(?:[Aa]mendments?|[Vv]ersions?|prereg(?:_version)?[= ])[\s-]*\[?\d+\]?(?:(?:,\s+|\s+and\s+|\s+or\s+|–)\[?\d+\]?)*",
     # a name holding digits: model families and versions, the paper's arXiv id, the lock's Python
     "name": r"Gemma 3|Llama[ -]3\.1|arXiv \d{4}\.\d{4,5}|Python 3\.\d+",
-    # the year of a citation: (P. Xie, 2026)
-    "year": r"(?<=, )(?:19|20)\d\d(?=\))",
+    # a level written in δ, the formula being its definition: (1 − δ), 1 − δ/5
+    "level": r"\b1 ?[−-] ?δ(?:/\d+)?",
+    # the year of a citation: (P. Xie, 2026), Feng et al. 2024
+    "year": r"(?<=, )(?:19|20)\d\d(?=\))|(?<=et al\. )(?:19|20)\d\d\b",
+    # 0 and 1 as a formula's bounds and identities: π = 1, (0, 1], 1 − π, 0 < π < 1
+    "math": r"(?<=[=<>≤≥∈(\[−+] )[01](?![\d.,]\d)|(?<=[=<>≤≥∈(\[])[01](?![\d.,]\d)|\b[01](?= ?[<≤−+·/\])]| ?[,;] ?[01π]\b)",
+    # a command's exit status (0 success, 1 failure, 2 bad input: the tools' convention, tested by their CLI tests)
+    "exit": r"(?<=\bexit )[012]\b|(?<=\bexits )[012]\b|(?<=\bexit status )[012]\b",
     # a step of a numbered list or a numbered heading, and a section sign's number (METHOD.md §7)
     "step": r"^[ \t]*(?:#+ )?\d+\.(?= )|§\d+(?:\.\d+)*",
-    # the 1 of a confidence level written in δ: (1 − δ)
-    "level": r"\b1 ?[−-] ?δ",
 }
 # code and link targets first: a version's pattern must not take a link's bracket
 UNCOUNTED = [re.compile(f"{DEFINITIONS['code']}|{DEFINITIONS['link']}", re.S),
