@@ -27,7 +27,6 @@ HAND_WRITTEN = {
     "docs/library.md": 38,
     "docs/studies/certified-budgets.md": 195,
     "docs/studies/sensitivity.md": 24,
-    "docs/studies/v1.md": 95,
     "docs/studies/v2-full.md": 24,
     "docs/studies/v2.md": 66,
     "docs/studies/v3.md": 36,

@@ -433,7 +433,7 @@ def test_reproduction_table_is_reproduction_csv():
     checked = 0
     for page in STUDY_DOCS.glob("*.md"):
         for header, body in markdown_tables(page):
-            if header[:3] != ["quantity", "paper", "ours [95% CI]"]:
+            if header[:3] != ["quantity", "paper", "ours [CI]"]:
                 continue
             for quantity, paper, ours, note in body:
                 r = table[(page.stem, quantity)]

@@ -110,8 +110,22 @@ def _flat(document):
             if isinstance(value, list):  # a list of scalars also by position: budgets.0
                 for i, v in enumerate(value):
                     walk(f"{prefix}{i}.", v)
+                for v in value:  # a scale's overrides also by key: overrides.n_items, overrides.budgets
+                    if isinstance(v, str) and re.fullmatch(r"[\w.]+=.+", v):
+                        key, text = v.split("=", 1)
+                        flat.setdefault(f"{prefix}{key}", _override_value(text))
     walk("", document)
     return flat
+
+
+def _override_value(text):
+    """An override's value as YAML reads it (120, [0.1,0.25], null), else the text."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def _manifests(results, study, cell="*"):
@@ -363,10 +377,10 @@ def value(results, key):
         return _number(float(row[high]) - float(row[low]), spec)
     if column not in row:
         raise DocError(f"value key {key!r}: no column {column!r}; the row has {', '.join(row)}")
+    if isinstance(row[column], (list, tuple)):  # a constant's items: NORM_WEIGHTS as 0, 0.001, ..., 1
+        return ", ".join(str(item) if spec == "s" else _number(item, spec) for item in row[column])
     if spec == "s":
         return str(row[column])
-    if isinstance(row[column], (list, tuple)):  # a constant's items: NORM_WEIGHTS as 0, 0.001, ..., 1
-        return ", ".join(_number(item, spec) for item in row[column])
     return _number(row[column], spec)
 
 
@@ -382,7 +396,7 @@ class _Cells(string.Formatter):
     def format_field(self, cell, spec):
         if spec and spec[-1] in "fgGeE%d" and not isinstance(cell, (int, float)):
             cell = float(cell) if spec[-1] != "d" else int(float(cell))
-        return format(cell, spec)
+        return format(cell, spec).replace("|", "\\|")  # a pipe inside a table cell is escaped
 
 
 def rows(results, key, template):
