@@ -197,16 +197,17 @@ SPAN_TARGET_KEYS = ("c2_points", "c3_spans", "oracle_floor_per_model")
 
 def c3_items(claims_dirs: dict[str, Path], spans: dict[str, float]) -> dict:
     """Per C3 component (coverage, spearman): the largest per-item sd over the studies and the items for its span;
-    ``items`` is the larger of the two."""
+    ``items`` is the larger of the two. A study decided per configuration (components coverage[scorer,allocator,
+    share], ...) gives its largest sd over its configurations."""
     out = {}
     for name, span in spans.items():
         sds = {}
         for study, claims_dir in claims_dirs.items():
             result = json.loads((claims_dir / "c3.json").read_text())
-            found = [(low, high) for n_, low, high in _components(result) if n_ == name]
+            found = [(low, high) for n_, low, high in _components(result) if n_ == name or n_.startswith(f"{name}[")]
             if not found:
                 raise SystemExit(f"{claims_dir / 'c3.json'}: no component {name!r}")
-            sds[study] = round(sd_of(*found[0], int(result["n"])), 4)
+            sds[study] = round(max(sd_of(low, high, int(result["n"])) for low, high in found), 4)
         binding = max(sds, key=sds.get)
         out[name] = {"sd_per_item": sds, "sd_max": sds[binding], "sd_max_from": binding, "span": span,
                      "items": math.ceil((2 * Z * sds[binding] / span) ** 2)}
