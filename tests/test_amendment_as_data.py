@@ -129,6 +129,14 @@ def test_a_second_factor_crosses_the_first_and_may_read_the_pilots_choice(script
     assert sorted(topk) == ["qa-gemma3", "qa-smollm2"]
     smoke = resize.smoke_spec(spec)
     assert [f["values"] for f in smoke["factors"]] == [[0.5, 0.95], [0.001, "population:chosen.pi_min"]]
+    # Two factors marked alone (amendment 6's two defenses, each with and without): never both off their defaults.
+    population["chosen"]["n_recent"] = 64
+    alone = {**spec, "factors": [{**f, "alone": True} for f in spec["factors"][1:]]
+             + [{"override": "design_options.n_recent", "label": "recent", "values": [32, "population:chosen.n_recent"],
+                 "alone": True}]}
+    cells = resize.configuration_cells(population, counts, {"qa": 1, "oracle": 2, "streaming": 1}, alone)
+    assert sorted(c for c in cells if c.startswith("qa-smollm2")) == ["qa-smollm2", "qa-smollm2-floor0.01",
+                                                                      "qa-smollm2-recent64"]
 
 
 def _one_line(error) -> str:

@@ -175,8 +175,10 @@ def _default(key: str):
 
 
 def factors_of(spec: dict, population: dict) -> list[dict]:
-    """The plan's cell factors, each {override, label, values, default}; a value "population:<key>" is read from
-    the population (a pilot rule's choice, e.g. population:chosen.tail_mix); ``default`` is the run schema's."""
+    """The plan's cell factors, each {override, label, values, default, alone}; a value "population:<key>" is read
+    from the population (a pilot rule's choice, e.g. population:chosen.tail_mix); ``default`` is the run schema's.
+    The factors cross (one cell per combination of values), except that of the factors marked ``alone: true`` at
+    most one leaves its default in a cell (e.g. two defenses, each with and without, never both at once)."""
     out = []
     for i, factor in enumerate(spec.get("factors") or []):
         where = f"plan.factors[{i}]"
@@ -197,7 +199,7 @@ def factors_of(spec: dict, population: dict) -> list[dict]:
                 value = found
             values.append(value)
         out.append({"override": str(factor["override"]), "label": str(factor["label"]), "values": values,
-                    "default": default})
+                    "default": default, "alone": bool(factor.get("alone", False))})
     return out
 
 
@@ -229,6 +231,8 @@ def configuration_cells(population: dict, counts: dict[str, int], seeds: dict[st
             for allocator, over in allocators.items():
                 for values in itertools.product(*(f["values"] for f in factors)):
                     off = [(f, v) for f, v in zip(factors, values) if v != f["default"]]
+                    if sum(f["alone"] for f, _ in off) > 1:  # factors marked alone leave their default one at a time
+                        continue
                     designs = ["poisson"] if kind == "oracle" or off else ["topk", "poisson"]
                     pooled = _pooled(over, kernel)
                     name = (f"{kind}-{model}" + (f"-{allocator}" if allocator != default_allocator else "")
