@@ -25,13 +25,13 @@ HAND_WRITTEN = {
     "docs/cluster.md": 128,
     "docs/library.md": 38,
     "docs/studies/certified-budgets.md": 195,
-    "docs/studies/sensitivity.md": 24,
-    "docs/studies/v2-full.md": 24,
-    "docs/studies/v2.md": 66,
-    "docs/studies/v3.md": 36,
-    "docs/studies/v4-full.md": 31,
-    "docs/studies/v4.md": 87,
-    "docs/studies/v5.md": 44,
+    "docs/studies/sensitivity.md": 20,
+    "docs/studies/v2-full.md": 9,
+    "docs/studies/v2.md": 44,
+    "docs/studies/v3.md": 26,
+    "docs/studies/v4-full.md": 17,
+    "docs/studies/v4.md": 68,
+    "docs/studies/v5.md": 33,
 }
 
 
