@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 from kvcert.runner import cli
+from kvcert.scales import current_study
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "workflow" / "scripts" / "calibration_by_layer.py"
@@ -84,12 +85,11 @@ def test_the_default_scale_schedules_the_rule():
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = proc.stdout + proc.stderr
     assert "rule calibration_by_layer" in text or "calibration_by_layer" in text
-    # one table per study that runs cells (the default scale's v1, v2, v2-full, v3, v4 and v4-full studies are
-    # archived: they run none)
-    assert "results/dryrun-calibration/v5/calibration/by_layer.csv" in text
-    assert "results/dryrun-calibration/v4/calibration/by_layer.csv" not in text
-    assert "results/dryrun-calibration/v3/calibration/by_layer.csv" not in text
-    assert "results/dryrun-calibration/v1/calibration/by_layer.csv" not in text
-    assert "results/dryrun-calibration/v2/calibration/by_layer.csv" not in text
-    assert "results/dryrun-calibration/v2-full/calibration/by_layer.csv" not in text
-    assert "results/dryrun-calibration/v4-full/calibration/by_layer.csv" not in text
+    # one table per study that runs cells: the current study (read from the default scale), none for the records
+    from kvcert.scales import load_scale, studies
+
+    scale = studies(load_scale("default", ROOT / "workflow" / "scales"))
+    assert [s for s, spec in scale.items() if not spec["archived"]] == [current_study(ROOT / "workflow" / "scales")]
+    for study, spec in scale.items():
+        table = f"results/dryrun-calibration/{study}/calibration/by_layer.csv"
+        assert (table in text) == (not spec["archived"]), table
