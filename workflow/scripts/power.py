@@ -16,12 +16,13 @@ largest per-item sd over every C1 and C2 component of every named study gives th
 items come from the largest k = width^2 / (1/n_inherent + 1/n_cache_induced) over the studies and the pilot's
 stage-D class rates (the amendment's power rule, stated there in words).
 
-Method ``per_component_span`` (amendment 5's; its power.rule states it in words): C2, the largest per-item sd over
-every C2 component of every named study, n_c2 = ceil((2 * 1.96 * sd_max / 4)^2) question-aware items per
-component; C3, the largest per-item sd of coverage and of Spearman over the studies, n_c3 the larger of their
-items for a 0.02 and a 0.05 span, with a floor of 8 oracle items per model; C6 and C7, the amendment's powered
-streaming items and C6's floor as the amended version's locked power.yaml and design.yaml state them; items split
-equally between the models (per model: ceil(n / models)).
+Method ``per_component_span`` (amendment 5's; its power.rule states it in words, its data in power.span_targets):
+C2, the largest per-item sd over every C2 component of every named study, n_c2 = ceil((2 * 1.96 * sd_max / span)^2)
+question-aware items per component (span: c2_points, 4 for amendment 5); C3, the largest per-item sd of coverage
+and of Spearman over the studies, n_c3 the larger of their items for the c3_spans (0.02 and 0.05), with a floor of
+oracle_floor_per_model (8) oracle items per model; C6 and C7, the amendment's powered streaming items and C6's
+floor as the amended version's locked power.yaml and design.yaml state them; items split equally between the
+models (per model: ceil(n / models)).
 
     python workflow/scripts/power.py --method per_component_span --amendment preregistration/amendment-5/amendment.yaml \
         --studies v1=results/v1/claims ... v4-full=results/v4-full/claims --out preregistration/amendment-5/power.yaml
