@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from kvcert.analysis.errors import AnalysisError
 from kvcert.analysis.registry import method, register_method
 from kvcert.atomic import write_text_atomic
 
@@ -100,7 +101,7 @@ def plan_of(doc: dict, where: str) -> dict:
     try:
         method("plan", plan["method"], f"{where}: plan.method")
         method("design", plan["design"], f"{where}: plan.design")
-    except Exception as error:  # kvcert.analysis.errors.AnalysisError: one line
+    except AnalysisError as error:  # one line: the file, the key, the name and the registered ones
         raise SystemExit(str(error)) from None
     if not isinstance(plan["scorers"], (dict, list)) or not plan["scorers"]:
         raise SystemExit(f"{where}: plan.scorers={plan['scorers']!r}: expected scorer names (or scorer: press)")
