@@ -26,10 +26,8 @@ HAND_WRITTEN = {
     "docs/library.md": 37,
     "docs/studies/certified-budgets.md": 195,
     "docs/studies/sensitivity.md": 20,
-    "docs/studies/v2-full.md": 9,
     "docs/studies/v2.md": 44,
     "docs/studies/v3.md": 26,
-    "docs/studies/v4-full.md": 17,
     "docs/studies/v4.md": 68,
     "docs/studies/v5.md": 33,
 }

@@ -113,15 +113,19 @@ def _flat(document):
                 for v in value:  # a scale's overrides also by key: overrides.n_items, overrides.budgets
                     if isinstance(v, str) and re.fullmatch(r"[\w.]+=.+", v):
                         key, text = v.split("=", 1)
-                        flat.setdefault(f"{prefix}{key}", _override_value(text))
+                        if f"{prefix}{key}" not in flat:
+                            walk(f"{prefix}{key}.", _override_value(text))
     walk("", document)
     return flat
 
 
 def _override_value(text):
-    """An override's value as YAML reads it (120, [0.1,0.25], null), else the text."""
+    """An override's value as YAML reads it (120, [0.1,0.25], null, Hydra's {snapkv:{kernel_size:9}}), else the
+    text."""
     import yaml
 
+    if text[:1] in "[{":  # Hydra writes a mapping's key:value without the space YAML wants
+        text = re.sub(r"(?<=[\w}]):(?=[\w{\[])", ": ", text)
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
