@@ -60,8 +60,22 @@ any_running() {
 }
 
 # ---------------------------------------------------------------- slurm.conf
+# One PartitionName line per name of KVCERT_SLURM_PARTITIONS, all on the one node; a name ending in '*' is the
+# default partition (as sinfo shows it). With no '*', a job must name its partition (-p), as on many sites.
+partition_lines() {
+  local name default names
+  read -r -a names <<<"$PARTITIONS"
+  ((${#names[@]} > 0)) || die "KVCERT_SLURM_PARTITIONS is empty: name at least one partition"
+  for name in "${names[@]}"; do
+    default=NO
+    [[ "$name" == *'*' ]] && { default=YES; name="${name%'*'}"; }
+    [[ "$name" =~ ^[A-Za-z0-9_.-]+$ ]] || die "KVCERT_SLURM_PARTITIONS: '$name' is not a partition name (letters, digits, _ . -)"
+    echo "PartitionName=$name Nodes=localhost Default=$default MaxTime=INFINITE State=UP"
+  done
+}
 write_conf() {
-  local cpus mem_avail_mb real_mem def_mem
+  local cpus mem_avail_mb real_mem def_mem partitions
+  partitions="$(partition_lines)" || exit 1
   cpus="$(nproc --all)"
   mem_avail_mb="$(awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo)"
   real_mem=$((mem_avail_mb * 90 / 100))
@@ -114,7 +128,7 @@ SlurmdLogFile=$LOG_DIR/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=info
 NodeName=localhost NodeAddr=127.0.0.1 NodeHostname=localhost CPUs=$cpus RealMemory=$real_mem State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+$partitions
 EOF
   mv -f "$CONF.tmp" "$CONF"
 }

@@ -10,7 +10,8 @@
 # 3. checks (check_rehearsal.py): the sbatch command of every job against what the profile promises,
 #    the groups, that local rules never went to SLURM, every job COMPLETED, claims pooled over three
 #    models with per-model results, tables, figures and notebooks;
-# cluster-down.sh always runs on exit. The stand-ins answer nonsense: this rehearses plumbing only.
+# cluster-down.sh runs on exit, unless the cluster was up before. The stand-ins answer nonsense: this rehearses
+# plumbing only.
 #
 # Environment (all optional):
 #   KVCERT_REHEARSE_TIMEOUT  hard limit for the runbook's commands, seconds (default 3000)
@@ -42,9 +43,18 @@ if [[ ! -f "$OUT/standins/longbench/narrativeqa.jsonl" || ! -f "$OUT/standins/mo
     >/dev/null 2>"$OUT/standins.log" || { tail -n 20 "$OUT/standins.log" >&2; fail "building the stand-ins failed"; }
 fi
 
+# A cluster that was up before (make slurm-up, another run) is left up, its jobs untouched; one this script
+# started is stopped on exit.
+was_up=0
+pid="$(recorded_pid slurmctld)"
+[[ -n "$pid" ]] && pid_is_ours "$pid" slurmctld && was_up=1
 cleanup() {
   local rc=$?
-  "$HERE/cluster-down.sh" || { say "cluster-down failed"; rc=1; }
+  if ((was_up)); then
+    say "leaving the cluster up: it was up before this rehearsal"
+  else
+    "$HERE/cluster-down.sh" || { say "cluster-down failed"; rc=1; }
+  fi
   exit "$rc"
 }
 trap cleanup EXIT
@@ -52,7 +62,9 @@ trap 'exit 130' INT TERM
 "$HERE/cluster-up.sh" >/dev/null
 # shellcheck disable=SC1090
 source "$ENV_SH"
-export PATH="$VENV_BIN:$PATH"
+# The page's commands run as a user's shell would: without the project's environment on PATH (make rehearse-paper
+# puts it there), so that the runbook's own `source .venv/bin/activate` is what finds kvcert-plan and snakemake.
+RUNBOOK_PATH="$(tr ':' '\n' <<<"$PATH" | grep -vxF -e "$VENV_BIN" -e "$(realpath -m "$VENV_BIN")" | paste -sd: -)"
 
 LOG="$OUT/snakemake.log"
 SCRIPT="$OUT/runbook.sh"
@@ -60,7 +72,7 @@ SCRIPT="$OUT/runbook.sh"
 say "docs/cluster.md's runbook ($("$PYTHON" "$HERE/runbook.py" --list | wc -l) steps) as $SCRIPT  (log: $LOG, limit ${RUN_TIMEOUT}s)"
 start=$SECONDS
 set +e
-timeout -s KILL "$RUN_TIMEOUT" bash "$SCRIPT" >"$LOG" 2>&1
+env -u VIRTUAL_ENV PATH="$RUNBOOK_PATH" timeout -s KILL "$RUN_TIMEOUT" bash "$SCRIPT" >"$LOG" 2>&1
 rc=$?
 set -e
 elapsed=$((SECONDS - start))

@@ -9,7 +9,9 @@ export STAGE_DIR="$PWD/results/rehearse/stage"
 export STAGE_WHEELS=none LOCK=requirements/lock-cpu.txt
 export KVCERT_SLURM_ACCOUNT=kvcert-rehearsal KVCERT_SLURM_PARTITION=debug KVCERT_SLURM_CELL_GPUS=0
 unset KVCERT_SLURM_GPU_PARTITION KVCERT_SLURM_QOS SBATCH_ACCOUNT SBATCH_PARTITION
-export GPU="--cpus-per-task=1 --mem=4000"            # no GPU: srun runs the GPU steps on the node's CPU
+export REPO_DIR="$PWD"                               # the repository itself: the one node sees it
+# no GPU: srun runs the GPU steps on the node's CPU, in the partition the cells use
+export GPU="-A $KVCERT_SLURM_ACCOUNT -p $KVCERT_SLURM_PARTITION --cpus-per-task=1 --mem=4000"
 # The pilot measures two cell kinds here (the whole scale's pilot over the stand-ins is make pilot-rehearse and
 # tests/test_device_pilot.py); with --cells it writes no plan, so the cells keep the scale's resources, which
 # check_rehearsal.py checks.
