@@ -22,12 +22,11 @@ COUNTED = [p for p in PAGES if p != HISTORY]
 # The pages that still state numbers by hand, with how many (make doc-numbers); every other page states none.
 HAND_WRITTEN = {
     "docs/CALIBRATION-LEVEL.md": 431,
-    "docs/cluster.md": 128,
+    "docs/cluster.md": 133,
     "docs/library.md": 37,
     "docs/studies/certified-budgets.md": 195,
     "docs/studies/sensitivity.md": 20,
     "docs/studies/v2.md": 44,
-    "docs/studies/v3.md": 26,
     "docs/studies/v4.md": 68,
     "docs/studies/v5.md": 33,
 }
