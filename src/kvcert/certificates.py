@@ -118,8 +118,12 @@ class CertificateRecorder:
 
     @staticmethod
     def _stack(calls: list[_CallSummary]) -> StepRecord:
-        """The StepRecord of the calls of one pass (same first step and shape): their summaries stacked."""
-        stack = lambda name: torch.stack([getattr(c, name) for c in calls])  # noqa: E731
+        """The StepRecord of the calls of one pass (same first step and shape): their summaries stacked.
+
+        Each layer's summary was computed on that layer's device; a model dispatched over several devices
+        (accelerate's device_map) has them gathered on the first layer's (a few numbers per KV head and query)."""
+        device = calls[0].trace_var.device
+        stack = lambda name: torch.stack([getattr(c, name).to(device) for c in calls])  # noqa: E731
         record = StepRecord(
             layers=tuple(c.layer for c in calls), first_step=calls[0].first_step, trace_var=stack("trace_var"),
             out_norm=stack("out_norm"), tail_ess=effective_terms(stack("terms")).float(),

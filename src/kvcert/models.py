@@ -14,6 +14,12 @@ A model spec is a mapping (or a short string) with a ``kind``:
 * ``hf`` – ``name`` is a hub id or a local directory, loaded with ``from_pretrained``.
 * ``gguf`` – ``path`` is a GGUF file; transformers de-quantizes it.
 
+Any kind can be dispatched by accelerate instead of placed on one device: ``device_map`` (``"auto"``,
+``"balanced"``, ``"balanced_low_0"``, ``"sequential"``, or a mapping of module name to a device, ``"cpu"`` or
+``"disk"``), with ``max_memory`` (device to size, e.g. ``{0: "20GiB", "cpu": "64GiB"}``) and ``offload_folder``
+(where weights mapped to ``"disk"`` live; by default a folder of the cache named after the weights). Each
+layer's weights, KV cache and certificate arithmetic then live on that layer's device; ``device`` is not used.
+
 De-quantizing a GGUF takes tens of seconds, so the converted weights are cached once as safetensors
 (keyed by the GGUF's sha256) and later loads take seconds. The cache directory is ``$KVCERT_CACHE`` or
 ``~/.cache/kvcert``.
@@ -21,6 +27,7 @@ De-quantizing a GGUF takes tens of seconds, so the converted weights are cached 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -60,6 +67,7 @@ BUNDLED = {
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's names
 
 
 def cache_dir() -> Path:
@@ -79,6 +87,9 @@ class ModelSpec:
     path: str | None = None
     dtype: str = "float32"
     device: str = "auto"
+    device_map: Any = None  # accelerate's: a strategy name or {module name: device}; None: all on ``device``
+    max_memory: Any = None  # {device: size} for a strategy name
+    offload_folder: str | None = None  # where "disk" weights live (default: under the cache)
 
     @classmethod
     def parse(cls, spec: str | Mapping[str, Any] | ModelSpec) -> ModelSpec:
@@ -94,7 +105,7 @@ class ModelSpec:
                 return cls(kind="gguf", path=rest)
             raise ModelLoadError(f"model spec {spec!r}: expected one of {', '.join(map(repr, BUNDLED))}, "
                                  "'hf:<id or dir>' or 'gguf:<file>'")
-        known = ("kind", "name", "path", "dtype", "device")
+        known = ("kind", "name", "path", "dtype", "device", "device_map", "max_memory", "offload_folder")
         unknown = sorted(str(k) for k in spec if k not in known)
         if unknown:
             raise ModelLoadError(f"model.{unknown[0]}: unknown key; known: {', '.join(known)}")
@@ -115,6 +126,42 @@ class ModelSpec:
                 raise ModelLoadError("model.kind=gguf needs model.path (a .gguf file)")
             if not Path(self.path).is_file():
                 raise ModelLoadError(f"model.path={self.path}: no such GGUF file")
+        if self.device_map is None:
+            for key in ("max_memory", "offload_folder"):
+                if getattr(self, key) is not None:
+                    raise ModelLoadError(f"model.{key}: only used with model.device_map (give one, or drop {key})")
+        elif isinstance(self.device_map, str):
+            if self.device_map not in DEVICE_MAP_STRATEGIES:
+                raise ModelLoadError(f"model.device_map={self.device_map!r} is unknown; give one of "
+                                     f"{list(DEVICE_MAP_STRATEGIES)} or a mapping of module name to device")
+        elif isinstance(self.device_map, Mapping):
+            if not self.device_map:
+                raise ModelLoadError("model.device_map: an empty mapping places no module")
+            for module, device in self.device_map.items():
+                if not isinstance(device, (str, int)) or isinstance(device, bool):
+                    raise ModelLoadError(f"model.device_map.{module}={device!r}: a device is a name such as "
+                                         "'cpu', 'cuda:1' or 'disk', or a GPU index")
+        else:
+            raise ModelLoadError(f"model.device_map={self.device_map!r}: expected a strategy name or a mapping")
+        if self.max_memory is not None and not isinstance(self.max_memory, Mapping):
+            raise ModelLoadError(f"model.max_memory={self.max_memory!r}: expected a mapping of device to size")
+
+    def placement(self, source: str) -> dict[str, Any]:
+        """Keyword arguments of ``from_pretrained`` that dispatch the model (empty without a device_map).
+
+        source: what the weights are read from (a directory or hub id); it names the default offload folder.
+        """
+        if self.device_map is None:
+            return {}
+        device_map = self.device_map if isinstance(self.device_map, str) else dict(self.device_map)
+        out: dict[str, Any] = {"device_map": device_map}
+        if self.max_memory is not None:
+            out["max_memory"] = dict(self.max_memory)
+        folder = self.offload_folder
+        if folder is None:
+            folder = str(cache_dir() / "offload" / hashlib.sha256(str(source).encode()).hexdigest()[:16])
+        out["offload_folder"] = folder
+        return out
 
 
 def resolve_device(device: str) -> str:
@@ -164,13 +211,19 @@ def _converted_dir(gguf: Path) -> Path:
     return cache_dir() / "converted" / sha256_file(gguf)[:16]
 
 
-def _load_gguf(gguf: Path, dtype, device: str):
-    """Load a GGUF file through transformers, caching the de-quantized weights as safetensors."""
+def _load_gguf(gguf: Path, dtype, device: str, spec: ModelSpec | None = None):
+    """Load a GGUF file through transformers, caching the de-quantized weights as safetensors; with a
+    ``spec.device_map``, the converted copy is dispatched by accelerate (converted first where it is missing)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not gguf.is_file():
         raise ModelLoadError(f"model.path={gguf}: no such GGUF file")
     converted = _converted_dir(gguf)
+    if spec is not None and spec.device_map is not None:
+        if not (converted / "model.safetensors").is_file():
+            _load_gguf(gguf, dtype, "cpu")  # writes the converted copy
+        tokenizer = AutoTokenizer.from_pretrained(converted)
+        return _dispatched(converted, dtype, spec), tokenizer
     if (converted / "model.safetensors").is_file():
         tokenizer = AutoTokenizer.from_pretrained(converted)
         model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype)
@@ -211,12 +264,25 @@ def _save_converted(model, tokenizer, converted: Path) -> None:
         raise
 
 
+def _dispatched(source, dtype, spec: ModelSpec):
+    """``from_pretrained(source)`` dispatched by accelerate as ``spec.device_map`` says (model.* named on failure)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **spec.placement(str(source)))
+    except Exception as err:  # accelerate and transformers raise many types for a bad map
+        given = (repr(spec.device_map) if isinstance(spec.device_map, str)
+                 else f"(a mapping of {len(spec.device_map)} modules)")
+        raise ModelLoadError(f"model.device_map={given}: cannot dispatch {source} "
+                             f"({type(err).__name__}: {err})") from err
+
+
 def _load_bundled(spec: ModelSpec, dtype, device: str):
-    return _load_gguf(fetch_bundled(spec.kind), dtype, device)
+    return _load_gguf(fetch_bundled(spec.kind), dtype, device, spec)
 
 
 def _load_gguf_spec(spec: ModelSpec, dtype, device: str):
-    return _load_gguf(Path(spec.path), dtype, device)
+    return _load_gguf(Path(spec.path), dtype, device, spec)
 
 
 def _load_hf(spec: ModelSpec, dtype, device: str):
@@ -224,25 +290,39 @@ def _load_hf(spec: ModelSpec, dtype, device: str):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec.name)
-        model = AutoModelForCausalLM.from_pretrained(spec.name, dtype=dtype)
+        if spec.device_map is None:
+            model = AutoModelForCausalLM.from_pretrained(spec.name, dtype=dtype)
     except Exception as err:
         raise ModelLoadError(f"model.name={spec.name}: cannot load ({type(err).__name__}: {err})") from err
+    if spec.device_map is not None:
+        return _dispatched(spec.name, dtype, spec), tokenizer
     return model.to(device), tokenizer
 
 
 _LOADERS = {**{name: _load_bundled for name in BUNDLED}, "hf": _load_hf, "gguf": _load_gguf_spec}
 
 
-def load_model(spec: str | Mapping[str, Any] | ModelSpec = "smollm2"):
+def load_model(spec: str | Mapping[str, Any] | ModelSpec = "smollm2", **fields):
     """Load ``(model, tokenizer)`` for a spec; the model is in eval mode.
+
+    fields: ModelSpec fields that replace the spec's, e.g. ``load_model("smollm2", device_map={...},
+    offload_folder=...)`` or ``dtype="bfloat16"``.
 
     The returned model keeps its own attention implementation; ``kvcert.attach`` (which ``prefill``,
     ``decode`` and ``generate`` use for their own forward passes) switches it to kvcert attention inside a
     block.
     """
+    import dataclasses
+
     import torch
 
     spec = ModelSpec.parse(spec)
+    if fields:
+        known = [f.name for f in dataclasses.fields(ModelSpec)]
+        unknown = sorted(k for k in fields if k not in known)
+        if unknown:
+            raise ModelLoadError(f"load_model: unknown keyword {unknown[0]!r}; known: {', '.join(known)}")
+        spec = dataclasses.replace(spec, **fields)
     spec.validate()
     dtype = getattr(torch, spec.dtype)
     model, tokenizer = _LOADERS[spec.kind](spec, dtype, resolve_device(spec.device))

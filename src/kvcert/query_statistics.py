@@ -46,7 +46,8 @@ def unrotate(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     tables carry an attention scaling (cos² + sin² ≠ 1). Returns (b, h, m, d) float64."""
     q = queries.double()
     r = cos.shape[-1]
-    c, s = cos.double(), sin.double()
+    # the queries' device: a layer of a model dispatched over several devices may live apart from the tables
+    c, s = cos.to(q.device, torch.float64), sin.to(q.device, torch.float64)
     rotated = q[..., :r]
     plain = (rotated * c - rotate_half(rotated) * s) / (c * c + s * s)
     return torch.cat([plain, q[..., r:]], dim=-1)
@@ -66,7 +67,8 @@ def rotary_tables(model, n_positions: int) -> list[tuple[torch.Tensor, torch.Ten
     n_layers = config.num_hidden_layers
     typed = "layer_type" in inspect.signature(rotary.forward).parameters
     layer_types = list(getattr(config, "layer_types", None) or [None] * n_layers) if typed else [None] * n_layers
-    device = next(model.parameters()).device
+    # the rotary module's own device (a model dispatched by accelerate's device_map may place it apart)
+    device = next(rotary.buffers(), next(model.parameters())).device
     positions = torch.arange(n_positions, device=device).unsqueeze(0)
     probe = torch.zeros((), dtype=torch.float32, device=device)
     tables = {}
@@ -96,6 +98,8 @@ class QueryStatistics:
     def add(self, queries: torch.Tensor, positions: torch.Tensor) -> None:
         """Record queries after RoPE (b, q_heads, m, d) at prefix positions (m,), in order of position."""
         cos, sin = self.tables
+        if cos.device != queries.device:  # kept where the layer lives (accelerate's device_map)
+            cos, sin = self.tables = (cos.to(queries.device), sin.to(queries.device))
         plain = unrotate(queries, cos[positions], sin[positions])
         first = positions < QUERY_HEAD
         head = plain[..., first, :]

@@ -430,6 +430,8 @@ def _choose_all_layers(views, scores, target, budget, options, certain_top_slice
     if not views:
         return []
     same_shape = len({tuple(layer_scores.shape) for layer_scores in scores}) == 1
+    # layers on several devices (accelerate's device_map) are searched where each lives, one by one
+    same_shape = same_shape and len({layer_scores.device for layer_scores in scores}) == 1
     if not same_shape:
         return [choose_expected_counts(view, layer_scores, target, budget, options, certain_top_slice,
                                        scales[i] if scales is not None else None)
