@@ -28,7 +28,6 @@ HAND_WRITTEN = {
     "docs/studies/sensitivity.md": 20,
     "docs/studies/v2.md": 44,
     "docs/studies/v4.md": 68,
-    "docs/studies/v5.md": 33,
 }
 
 
