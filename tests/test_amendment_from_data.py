@@ -1,6 +1,9 @@
-"""An amendment is a folder of data: a throwaway amendment 5, built in a temporary copy of the pre-registration
-from amendment 4's document with a new number and no Python, is discovered, piloted, designed, locked and
-applied to a smoke-sized study.
+"""An amendment is a folder of data: a throwaway amendment, built in a temporary copy of the pre-registration from
+an earlier amendment's data with a new number and no Python, is discovered, piloted, designed, locked and applied
+to a smoke-sized study. Two shapes: amendment 4's (one cell per kind and model) and amendment 5's (scorers,
+allocators and a certain-head share factor, one cell per configuration, C2 and C3 decided per configuration).
+
+Amendment 4's shape:
 
 The folder preregistration/amendment-5/ holds amendment.yaml (amendment 4's document, renumbered, its pilot
 reduced to the smoke pilot's size: SmolLM2 only, 2 items of one variant, bands open; its power's oracle counts
@@ -45,11 +48,11 @@ def _script(name: str):
     return module
 
 
-def _copy(root: Path) -> Path:
-    """preregistration/ and the frozen analysis sources under ``root``: versions 1-4 as locked."""
+def _copy(root: Path, upto: int = 4) -> Path:
+    """preregistration/ and the frozen analysis sources under ``root``: versions 1 to ``upto`` as locked."""
     shutil.copytree(ROOT / "preregistration", root / "preregistration")
     for document in (root / "preregistration").glob(f"amendment-*/{prereg.FOLDER_DOCUMENT}"):
-        if yaml.safe_load(document.read_text())["version"] > 4:  # the repository's own amendments 5, ...: not 1-4
+        if yaml.safe_load(document.read_text())["version"] > upto:  # the repository's later amendments
             shutil.rmtree(document.parent)
     shutil.copytree(ROOT / "src" / "kvcert" / "analysis", root / "src" / "kvcert" / "analysis",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -57,8 +60,9 @@ def _copy(root: Path) -> Path:
 
 
 def _amendment_5(root: Path, pilot: str) -> Path:
-    """preregistration/amendment-5/amendment.yaml from amendment 4's document: data only. pilot: its method."""
-    doc = yaml.safe_load((ROOT / "preregistration" / "amendment-4.yaml").read_text())
+    """preregistration/amendment-5/amendment.yaml from amendment 4's data (its document and the plan its sidecar
+    states): data only. pilot: its method."""
+    doc = _script("pilot").amendment_data(ROOT / "preregistration" / "amendment-4.yaml")
     doc.update(version=5, status="DRAFT: a throwaway amendment built by a test",
                amends={"version": 4, "document": "preregistration/amendment-4.yaml",
                        "lock": "preregistration/amendment-4.lock"},
@@ -162,3 +166,111 @@ def test_a_throwaway_amendment_runs_from_data_alone(tmp_path, pilot):
     c5 = json.loads((tmp_path / "claims" / "c5.json").read_text())
     assert c5["details"]["analysis_variant"] == {"c5_gating": "within_model"}  # inherited from amendment 4, by name
     assert registry.analysis(v5)[0]["c5"].fn.__name__ == "escalation_within_model"
+
+
+# --- amendment 5's shape: scorers, allocators and a certain-head share factor, as data ----------------------------
+
+SHAPE_5_FILES = ["population.yaml", "timing.yaml", "power.yaml", "design.yaml"]
+SMOKE_PLAN = {"scorers": {"snapkv": "SnapKVPress", "knorm": "KnormPress"},
+              "allocators": {"uniform": "scorers", "adakv": ["snapkv"]},
+              "factors": [{"override": "design_options.head_fraction", "label": "share", "values": [0.5, 0.95],
+                           "default": 0.5}],
+              "poisson_seeds": [0]}
+
+
+def _amendment_6(root: Path) -> Path:
+    """preregistration/amendment-6/amendment.yaml from amendment 5's data (its locked document and its sidecar's
+    plan), renumbered, its plan smoke-sized as data (two scorers, two allocators, two shares, one Poisson seed) and
+    its population reused from amendment 5's locked file, SmolLM2 only."""
+    five = ROOT / "preregistration" / "amendment-5" / "amendment.yaml"
+    doc = _script("pilot").amendment_data(five)
+    doc.update(version=6, status="DRAFT: a throwaway amendment of amendment 5's shape, built by a test",
+               amends={"version": 5, "document": "preregistration/amendment-5/amendment.yaml",
+                       "lock": "preregistration/amendment-5/amendment.lock"},
+               freezes=SHAPE_5_FILES, plan={**doc["plan"], **SMOKE_PLAN})
+    doc["pilot"] = {**doc["pilot"], "models": ["smollm2"],
+                    "population_from": "preregistration/amendment-5/population.yaml"}
+    doc["power"] = {**doc["power"], "timing": {"n_items": 1, "budget_minutes": 65, "cores": 1}}
+    folder = root / "preregistration" / "amendment-6"
+    folder.mkdir()
+    (folder / "amendment.yaml").write_text(yaml.safe_dump(doc, sort_keys=False, width=110))
+    return folder
+
+
+def _smoke_sized_power_5(folder: Path) -> None:
+    """Amendment 5's committed timing (SmolLM2's cells) and power, reduced to a few items per cell."""
+    five = ROOT / "preregistration" / "amendment-5"
+    timing = yaml.safe_load((five / "timing.yaml").read_text())
+    timing["measured"] = {c: v for c, v in timing["measured"].items() if "-smollm2" in c}
+    (folder / "timing.yaml").write_text(yaml.safe_dump(timing, sort_keys=False))
+    power = yaml.safe_load((five / "power.yaml").read_text())
+    power["models"] = ["smollm2"]
+    power["per_model"] = {"question_aware": 3, "oracle": 2, "streaming": 3, "streaming_c6_floor": 3}
+    (folder / "power.yaml").write_text(yaml.safe_dump(power, sort_keys=False))
+
+
+@pytest.mark.cluster
+def test_a_throwaway_amendment_of_amendment_5s_shape_runs_from_data_alone(tmp_path):
+    root = _copy(tmp_path / "repo", upto=5)
+    folder = _amendment_6(root)
+    v6, v5 = prereg.version(6, root), prereg.version(5, root)
+    rel = "preregistration/amendment-6"
+    assert v6.files == (*v5.files, f"{rel}/amendment.yaml", *(f"{rel}/{f}" for f in SHAPE_5_FILES))
+    assert v6.choices == v5.choices and dict(v6.choices)["c3_scope"] == "per_configuration"  # inherited by name
+    assert (v6.pilot, v6.power) == ("reuse_population", "per_component_span")
+    assert prereg.newest(root) == 6 and prereg.latest(root) == 5
+
+    run = [sys.executable, str(SCRIPTS / "pilot.py")]
+    subprocess.run([*run, "--method", v6.pilot, "--amendment", str(root / v6.document),
+                    "--out", str(folder / "population.yaml")], check=True, capture_output=True, text=True)
+    assert list(yaml.safe_load((folder / "population.yaml").read_text())["models"]) == ["smollm2"]
+
+    _smoke_sized_power_5(folder)
+    subprocess.run([sys.executable, str(SCRIPTS / "resize_design.py"), "design", "--amendment", str(root / v6.document),
+                    "--population", str(folder / "population.yaml"), "--timing", str(folder / "timing.yaml"),
+                    "--power", str(folder / "power.yaml"), "--out", str(folder / "design.yaml")],
+                   check=True, capture_output=True, text=True)
+    design = yaml.safe_load((folder / "design.yaml").read_text())
+    cells = design["powered"]["study"]["cells"]
+    configurations = ["", "-share0.95", "-adakv", "-adakv-share0.95"]
+    assert sorted(cells) == sorted([*(f"qa-smollm2{c}" for c in configurations),
+                                    *(f"oracle-smollm2{c}" for c in configurations), "streaming-smollm2"])
+    assert "policies=[snapkv,knorm]" in cells["qa-smollm2-share0.95"]["overrides"]
+    assert "policies=[snapkv]" in cells["oracle-smollm2-adakv"]["overrides"]
+
+    document = root / v6.document
+    locked = {**yaml.safe_load(document.read_text()), "status": "locked by a test"}
+    document.write_text(yaml.safe_dump(locked, sort_keys=False, width=110))
+    prereg.write_lock(root, number=6)
+    prereg.verify_lock(root, 6)
+
+    scales = root / "workflow" / "scales"
+    scales.mkdir(parents=True)
+    (scales / "v6.yaml").write_text(yaml.safe_dump({
+        "outdir": "results", "figure_dir": "figures", "threads_per_cell": 1, "prereg_scale": "default",
+        "models": {"smollm2": ["model=smollm2"]},
+        "studies": {"v6": {"design": {"file": "../../preregistration/amendment-6/design.yaml",
+                                      "study": "powered.study"}}}}))
+    scale = load_scale("v6", scales)
+    study = studies(scale)["v6"]
+    assert study["prereg"] == 6 and sorted(study["cells"]) == sorted(cells)
+    ran = []
+    for name, cell in study["cells"].items():
+        out = tmp_path / "cells" / name
+        subprocess.run([str(BIN / "kvcert-run"), *cell_overrides(scale, cell), "threads=1", "progress=false",
+                        f"out_dir={out}"], check=True, capture_output=True, text=True)
+        ran.append(str(out))
+    results = {}
+    for claim in ("c1", "c2", "c3", "c4", "c5", "c6", "c7"):
+        results[claim] = cli.run({"claim": claim, "cells": ran, "prereg_root": str(root), "prereg_version": 6,
+                                  "figures": False, "n_boot": 20, "out": str(tmp_path / "claims" / f"{claim}.json")})
+        assert results[claim].details["prereg_version"] == 6
+    # The data's factors reach the analysis: one C3 component per (scorer, allocator, share) the plan names, one C2
+    # component per Poisson configuration and budget.
+    pairs = [("snapkv", "uniform"), ("knorm", "uniform"), ("snapkv", "adakv")]
+    c3 = {c["name"] for c in results["c3"].details["components"]}
+    assert c3 == {f"{m}[{s},{a},{h}]" for m in ("coverage", "spearman") for s, a in pairs for h in ("0.5", "0.95")}
+    c2 = {c["name"] for c in results["c2"].details["components"]}
+    assert c2 == {f"poisson_minus_topk[{s},{a},{h},{b}]" for s, a in pairs for h in ("0.5", "0.95")
+                  for b in ("0.25", "0.5")}
+    assert results["c3"].details["analysis_variant"] == {"c3_scope": "per_configuration"}
