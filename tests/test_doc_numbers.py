@@ -26,7 +26,6 @@ HAND_WRITTEN = {
     "docs/library.md": 37,
     "docs/studies/certified-budgets.md": 195,
     "docs/studies/sensitivity.md": 20,
-    "docs/studies/v2.md": 44,
     "docs/studies/v4.md": 68,
 }
 
