@@ -154,6 +154,12 @@ test-chat-template: install model peers
 chat-template-probe: install model
 	$(BIN)/python benchmarks/chat_template_probe.py
 
+## Batches under the press (benchmarks/press_batch_throughput.py): SmolLM2 on the CPU, tokens per second against batch
+## size for top-k and Poisson beside the stock model, measured side by side in one run, and the peak memory.
+.PHONY: bench-press-batch
+bench-press-batch: install model
+	$(BIN)/python benchmarks/press_batch_throughput.py
+
 ## The calibrated certificate's held-out check alone (kvcert-calibrate on 20 prompts, kvcert-run on 20 others;
 ## 3 CPU-minutes, measured 8.5 minutes on 2 cores shared with other work; also part of `make test`).
 test-heldout: install model

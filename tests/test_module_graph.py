@@ -33,7 +33,8 @@ LAYERS = {
     "kvcert.attention": 5,
     "kvcert.generation": 6,
     "kvcert.theory": 7, "kvcert.costs": 7, "kvcert.standins": 7,
-    "kvcert.presses": 7,  # kvcert around stock model.generate: hooks a prefill and decodes on its context
+    "kvcert.batching": 7,  # several prompts decoded together, each with its own compressed cache
+    "kvcert.presses": 8,  # kvcert around stock model.generate: hooks a prefill and decodes on its context
     "kvcert.runner": 8, "kvcert.analysis": 8, "kvcert.device_check": 8,
     "kvcert.plan": 9,  # plans a scale's cells as the runner would compose them
     "kvcert.stage": 9,  # stages a scale's models, data and wheels for an offline cluster

@@ -21,7 +21,9 @@ compressed cache with the −log π offset and, with ``certify``, hands its vari
 ``CertificateRecorder``. On exit the hooks are removed, the attention implementation is the one before, and the
 registered names are gone.
 
-One prompt per call: a batch of several rows (``num_return_sequences``, ``num_beams`` > 1, padded prompts) is
+A batch (several rows, or a left-padded prompt; ``num_return_sequences``) is compressed row by row and decoded
+together (``kvcert.batching``: each row's prompt prefilled alone on its own tokens, its own retained sets and draw,
+one batch row of the cache per prompt); ``press.certificates`` then holds one certificate per row. Beam search is
 refused in one line.
 """
 
@@ -164,6 +166,7 @@ class Press:
     max_cache_tokens: int | None = None
     compression_interval: int | None = None
     _answer: tuple | None = field(default=None, init=False, repr=False)  # the last answer's (steps(), fields)
+    _rows: list | None = field(default=None, init=False, repr=False)  # a batch's (steps(), fields) per row
 
     def __post_init__(self):
         if (self.budget is None) == (self.compression_ratio is None):
@@ -208,7 +211,7 @@ class Press:
         run = _Run(self, model, AttentionInterface._global_mapping[ATTENTION_NAME])
         name = f"{PRESS_NAME}_{id(run):x}"
         AttentionInterface.register(name, run.attention)
-        AttentionMaskInterface.register(name, padding_mask)
+        AttentionMaskInterface.register(name, run.mask)
         handles = []
         try:
             model.set_attn_implementation(name)
@@ -227,11 +230,47 @@ class Press:
     def certificate(self) -> AnswerCertificate | None:
         """The last answer's certificate (None before the first answer), built from its recorder when read (read
         while the answer is generated, e.g. from a streamer, it holds the steps so far)."""
+        if self._rows is not None and len(self._rows) > 1:
+            raise ValueError(f"kvcert.press: the last call was a batch of {len(self._rows)} rows; read "
+                             "press.certificates (one per row)")
         if self._answer is None:
             return None
         steps, fields = self._answer
         fields = {k: v() if callable(v) else v for k, v in fields.items()}  # a decode-time bound's counts, as now
         return AnswerCertificate(steps=steps(), eps=self.eps, **fields)
+
+    @property
+    def certificates(self) -> list[AnswerCertificate]:
+        """One certificate per row of the last call, in row order: a batch's (``model.generate`` on several rows,
+        ``answer_batch``), or ``[certificate]`` after one prompt ([] before the first answer). Each row's is the one
+        the row's prompt would get alone (its steps end where its answer ends, at its first stop token)."""
+        if self._rows is None:
+            return [] if self._answer is None else [self.certificate]
+        return [AnswerCertificate(steps=steps(), eps=self.eps, **fields) for steps, fields in self._rows]
+
+    def answer_batch(self, model, tokenizer, *, contexts: list[str], questions: list[str] | list[list[str]],
+                     answer_prefix: str = "", max_new_tokens: int | None = None,
+                     truncate: str = "middle") -> list[list[PressAnswer]]:
+        """``answer`` for several documents, decoded together: each document is prefilled and compressed once,
+        alone; every (document, question) pair is then one batch row, its question fed on its document's cache, and
+        the rows' answers decoded in the same forward passes (``kvcert.batching``). questions: one list asked of
+        every document, or one list per document. Returns per document its PressAnswers, in order, each equal to
+        ``answer``'s for that document and question (greedy tokens; log-probabilities and certificates up to float
+        rounding); ``certificates`` holds one per pair. truncate: ``middle`` cuts the middle of a document longer
+        than the model's window (``kvcert.build_prompt``), ``error`` refuses it in one line naming it."""
+        from .batching import answer_rows
+
+        per_context = answer_rows(self, model, tokenizer, contexts=contexts, questions=questions,
+                                  answer_prefix=answer_prefix, max_new_tokens=max_new_tokens, truncate=truncate)
+        self._record_rows([(lambda steps=steps: steps, fields) for answers in per_context
+                           for _, _, steps, fields in answers])
+        return [[PressAnswer(text, ids, AnswerCertificate(steps=steps, eps=self.eps, **fields))
+                 for text, ids, steps, fields in answers] for answers in per_context]
+
+    def _record_rows(self, rows: list[tuple]) -> None:
+        """A batch's rows, (steps(), fields) each: ``certificates`` reads them (``certificate`` too, for one row)."""
+        self._rows = rows
+        self._answer = rows[0] if len(rows) == 1 else None
 
     @torch.no_grad()
     def answer(self, model, tokenizer, *, context: str, questions: list[str], answer_prefix: str = "",
@@ -274,7 +313,7 @@ class Press:
                                     compressor=self._compressor(state))
             fields = {**fields, "peak_cache_tokens": decoded.peak_cache_tokens,
                       "decode_compressions": decoded.decode_compressions}
-            self._answer = (lambda steps=decoded.steps: steps, fields)
+            self._answer, self._rows = (lambda steps=decoded.steps: steps, fields), None
             answers.append(PressAnswer(tokenizer.decode(decoded.token_ids, skip_special_tokens=True),
                                        decoded.token_ids, self.certificate))
         return answers
@@ -291,6 +330,7 @@ class Press:
     def _record(self, recorder, randomized: bool, fields: dict) -> None:
         """A new answer has started: its recorder fills while it is generated."""
         self._answer = (lambda: _steps_frame(recorder, 0, self.delta, randomized, _ALL_STEPS), fields)
+        self._rows = None
 
 
 @dataclass(frozen=True)
@@ -311,7 +351,8 @@ class PressPipeline(Pipeline):
     ``kv-press-text-generation``): ``pipe(document, questions=[...], press=press)`` or ``question="..."``; keywords
     ``answer_prefix`` and ``max_new_tokens``. Returns ``{"answers": [...], "certificates": [...]}`` for questions,
     ``{"answer": ..., "certificate": ...}`` for one question (``Press.answer``: one prefill and one compression of the
-    document). Build it as ``PressPipeline(model=model, tokenizer=tokenizer)``, or by name once
+    document). A list of documents gives one such output per document, all decoded together
+    (``Press.answer_batch``). Build it as ``PressPipeline(model=model, tokenizer=tokenizer)``, or by name once
     ``register_pipeline()`` has run."""
 
     def _sanitize_parameters(self, press=None, questions=None, question=None, answer_prefix=None, max_new_tokens=None,
@@ -338,6 +379,31 @@ class PressPipeline(Pipeline):
                                questions=[question] if question is not None else questions,
                                answer_prefix=answer_prefix, max_new_tokens=max_new_tokens)
         return {"answers": answers, "single": question is not None}
+
+    def __call__(self, inputs, *args, **kwargs):
+        """One document (a string), or a list of documents decoded together (``Press.answer_batch``): a list gives
+        one output per document, in order."""
+        if isinstance(inputs, (list, tuple)):
+            return self._batch(list(inputs), *args, **kwargs)
+        return super().__call__(inputs, *args, **kwargs)
+
+    def _batch(self, contexts: list, *args, **kwargs) -> list[dict]:
+        if args:
+            raise ValueError(f"{PIPELINE_TASK}: give the keywords by name (press=..., question=... or questions=...)")
+        _, params, _ = self._sanitize_parameters(**kwargs)
+        press, question, questions = params.get("press"), params.get("question"), params.get("questions")
+        if not isinstance(press, Press):
+            raise ValueError(f"{PIPELINE_TASK}: give press=kvcert.press(...); got {press!r}")
+        if (questions is None) == (question is None):
+            raise ValueError(f"{PIPELINE_TASK}: give exactly one of questions and question")
+        for i, context in enumerate(contexts):
+            if not isinstance(context, str):
+                raise ValueError(f"{PIPELINE_TASK}: document {i} must be a string; got {type(context).__name__}")
+        answers = press.answer_batch(self.model, self.tokenizer, contexts=contexts,
+                                     questions=[question] if question is not None else questions,
+                                     answer_prefix=params.get("answer_prefix", ""),
+                                     max_new_tokens=params.get("max_new_tokens"))
+        return [self.postprocess({"answers": a, "single": question is not None}) for a in answers]
 
     def postprocess(self, model_outputs, **_):
         answers = model_outputs["answers"]
@@ -368,20 +434,35 @@ class _Run:
         self.context: AttentionContext | None = None
         self.recording: PrefillRecording | None = None
         self.cache: PressCache | None = None
+        self.batch = None  # kvcert.batching.GenerateBatch while generate decodes a batch
+        self.busy = False  # kvcert's own prefill of a batch row runs the model inside a hook
 
     def attention(self, module, query, key, value, attention_mask, **kwargs):
-        """kvcert attention bound to this run's current context (none: the model attends as it normally would)."""
+        """kvcert attention bound to this run's current context (none: the model attends as it normally would).
+        A batch's rows are told apart by their slots (padding slots have π = 0), so generate's padding mask is
+        not needed there."""
+        if self.batch is not None:
+            attention_mask = None
         return self.function(module, query, key, value, attention_mask, bound_context=self.context, **kwargs)
+
+    def mask(self, **kwargs):
+        """The mask function of the press's attention: none for a batch's decode (see ``attention``)."""
+        return None if self.batch is not None else padding_mask(**kwargs)
 
     def before(self, module, args, kwargs):
         """At a prompt's prefill (an empty cache), hand the model a PressCache that records the prefill."""
+        if self.busy:
+            return None
         key = "cache" if "cache" in kwargs else "past_key_values"
         cache = kwargs.get(key)
         if isinstance(cache, PressCache):
+            if self.batch is not None:
+                self.batch.fed(kwargs.get("input_ids", args[0] if args else None))
             if self.context is not None and self.context.compressor is not None:  # a decode-time bound
                 ids = kwargs.get("input_ids", args[0] if args else None)
                 self.context.compressor.before_pass(self.context, ids.shape[-1])
             return None  # a decode step on a compressed cache
+        self.batch = None
         if not isinstance(cache, Cache):
             if kwargs.get("use_cache") is False:
                 raise ValueError("kvcert.press: use_cache=False: a press compresses the cache, so generate must keep "
@@ -394,12 +475,13 @@ class _Run:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             raise ValueError("kvcert.press: the prompt must come as input_ids (inputs_embeds are not supported)")
-        if ids.shape[0] != 1:
-            raise ValueError(f"kvcert.press: a batch of {ids.shape[0]} rows; a press compresses one prompt per call "
-                             "(num_return_sequences and num_beams must be 1, prompts unpadded)")
         mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all()):
-            raise ValueError("kvcert.press: the attention mask pads the prompt; give the prompt unpadded")
+        if ids.shape[0] != 1 or (isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.all())):
+            from .batching import GenerateBatch
+
+            self.batch = GenerateBatch.start(self, ids, mask, kwargs)
+            self.cache = PressCache(list(self.batch.cache.layers))
+            return args, self.batch.stand_in(kwargs, key)
         p = self.press
         needs = prefill_needs([p.policy], p.policy_options)
         self.recording = PrefillRecording.start(self.model, ids.shape[-1], observation_window=p.observation_window,
@@ -410,6 +492,10 @@ class _Run:
 
     def after(self, module, args, kwargs, output):
         """After a prefill: select the retained sets and compress the PressCache in place."""
+        if self.busy:
+            return None
+        if self.batch is not None and self.batch.pending:
+            return self.batch.finish(self, output)
         if self.recording is None:
             return None
         recording, self.recording = self.recording, None
