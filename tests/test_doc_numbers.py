@@ -25,7 +25,6 @@ HAND_WRITTEN = {
     "docs/cluster.md": 133,
     "docs/library.md": 38,
     "docs/studies/certified-budgets.md": 195,
-    "docs/studies/sensitivity.md": 20,
 }
 
 
