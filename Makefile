@@ -160,6 +160,20 @@ chat-template-probe: install model
 bench-press-batch: install model
 	$(BIN)/python benchmarks/press_batch_throughput.py
 
+## Exploratory: kvcert's press (top-k, Poisson with its certificate) beside kvpress 0.5.5's (in the peer environment)
+## on the same prompts and press, SnapKV and Knorm at compression ratios 0.5 and 0.75, SmolLM2 on the CPU, batch 1:
+## time, peak memory, answer agreement (benchmarks/press_vs_kvpress.py); writes results/exploratory/press-vs-kvpress/.
+## BENCH_KVPRESS_ARGS: its options, e.g. --items 4 --context-tokens 1024.
+.PHONY: bench-kvpress
+bench-kvpress: install model peers
+	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" $(BIN)/python benchmarks/press_vs_kvpress.py $(BENCH_KVPRESS_ARGS)
+
+## tests/test_press_device_map.py: a model dispatched by accelerate's device_map (half of SmolLM2's layers offloaded
+## to disk) gives the press's and kvcert.generate's single-device answers and certificates.
+.PHONY: test-device-map
+test-device-map: install model
+	$(BIN)/python -m pytest -q tests/test_press_device_map.py --durations=5
+
 ## The calibrated certificate's held-out check alone (kvcert-calibrate on 20 prompts, kvcert-run on 20 others;
 ## 3 CPU-minutes, measured 8.5 minutes on 2 cores shared with other work; also part of `make test`).
 test-heldout: install model
