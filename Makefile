@@ -154,6 +154,13 @@ test-chat-template: install model peers
 chat-template-probe: install model
 	$(BIN)/python benchmarks/chat_template_probe.py
 
+## Exploratory: compression during long generations (max_cache_tokens) on both bundled models, a copy task of 256
+## generated tokens under a bound of 128 slots (benchmarks/decode_compression.py); writes
+## results/exploratory/decode-compression/ (rows per model, summary.csv).
+.PHONY: decode-compression
+decode-compression: install model
+	$(BIN)/python benchmarks/decode_compression.py
+
 ## Batches under the press (benchmarks/press_batch_throughput.py): SmolLM2 on the CPU, tokens per second against batch
 ## size for top-k and Poisson beside the stock model, measured side by side in one run, and the peak memory.
 .PHONY: bench-press-batch
