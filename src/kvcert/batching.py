@@ -304,6 +304,7 @@ class GenerateBatch:
         (batch, n) generate's attention mask (1: token, 0: padding) or None; kwargs: the forward's keywords."""
         press, model = run.press, run.model
         who = "kvcert.press"
+        refuse_decode_bound(press, who)
         if press.oracle:
             raise ValueError(f"{who}: oracle=True measures one prompt at a time against its full cache; a batch of "
                              f"{ids.shape[0]} rows has none to share (generate the prompts one at a time)")
@@ -378,6 +379,14 @@ class GenerateBatch:
         return row_steps(self.context.recorder, row, delta=self.press.delta, randomized=randomized, limit=limit)
 
 
+def refuse_decode_bound(press, who: str) -> None:
+    """Compression during decoding (a press's ``max_cache_tokens``) runs on one prompt at a time: a batch is refused."""
+    bound = getattr(press, "max_cache_tokens", None)
+    if bound is not None:
+        raise ValueError(f"{who}: max_cache_tokens={bound} (compression during decoding) runs one prompt at a time; "
+                         "generate the prompts one at a time, or leave max_cache_tokens out for a batch")
+
+
 def warn_target(press, compressed: Compressed) -> None:
     """A target that keeps its cap somewhere says so, as for one prompt."""
     if compressed.choice is not None and (message := cap_binding_message(compressed.choice, press._target,
@@ -405,6 +414,7 @@ def answer_rows(press, model, tokenizer, *, contexts: list[str], questions, answ
     for i, asked in enumerate(per_context):
         if not asked or not all(isinstance(q, str) for q in asked):
             raise ValueError(f"{who}: the questions of context {i} must be a non-empty list of strings")
+    refuse_decode_bound(press, who)
     if press.oracle:
         raise ValueError(f"{who}: oracle=True measures one prompt at a time against its full cache; use answer")
     max_new_tokens = new_token_limit(model, max_new_tokens)
