@@ -398,6 +398,8 @@ class _Cells(string.Formatter):
     """A row template's fields: a cell given a numeric format (f, g, e, %, d) is read as a number."""
 
     def format_field(self, cell, spec):
+        if spec and spec[-1] in "fgGeE%d" and not str(cell).strip():
+            return "—"  # an empty (undefined) cell
         if spec and spec[-1] in "fgGeE%d" and not isinstance(cell, (int, float)):
             cell = float(cell) if spec[-1] != "d" else int(float(cell))
         return format(cell, spec).replace("|", "\\|")  # a pipe inside a table cell is escaped
@@ -439,9 +441,12 @@ def rows(results, key, template):
     first = next((i for i, line in enumerate(lines) if "{" in line), len(lines))
     head, each = "".join(lines[:first]), "".join(lines[first:])
     try:
-        return head + "".join(_Cells().format(each, **row) for row in found)
+        # a column whose name a format field cannot hold (coverage_low_0.1) is also there as coverage_low_0_1
+        body = "".join(_Cells().format(each, **{**{re.sub(r"\W", "_", k): v for k, v in row.items()}, **row})
+                       for row in found)
     except (KeyError, ValueError) as err:
         raise DocError(f"rows key {key!r}: template field {err}") from None
+    return head + re.sub(r"—(?:[–/ ]+—)+", "—", body)  # a range of two undefined cells is one dash
 
 
 def _is_number(text):
