@@ -253,3 +253,17 @@ def test_the_seed_of_the_compressions_is_the_configurations_own():
         runs.append(out.steps["trace_var"].to_numpy())
     assert (runs[0] == runs[1]).all() and not (len(runs[0]) == len(runs[2]) and (runs[0] == runs[2]).all())
     assert item_seed(7, "x") != 7
+
+
+def test_heads_of_different_counts_are_thinned_each_to_the_bound():
+    """Top-k under a per-head allocator (AdaKV: heads keep different counts at the prefill): a head already under
+    the compression's target keeps its slots, the others are cut to it, and no head or layer exceeds the bound."""
+    _, model, _ = build("llama")
+    state = kvcert.prefill(model, _tiny_ids())
+    bound = check_decode_bound(BOUND, INTERVAL, policy="snapkv", design="topk", options=OPTIONS)
+    out, = decode_configurations(model, state, [Configuration("snapkv", "topk", 0.35, 0)], max_new_tokens=24,
+                                 stop_ids=set(), decode_bound=bound, allocator="adakv")
+    counts = kvcert.select(state, "snapkv", "topk", 0.35, 0, allocator="adakv")[0].retained
+    # the allocator's counts differ by the interval or more: at the first compression the short head is at the target
+    assert int(counts.max()) - int(counts.min()) >= INTERVAL
+    assert out.peak_cache_tokens <= BOUND and out.decode_compressions >= 2

@@ -169,7 +169,11 @@ def thin_head(view: LayerView, log_pi: torch.Tensor, target: int, *, policy, des
 
     view: the head's slots ordered by position, keys/values (1, 1, n, d), window_queries (1, group, w, d) of its
     query heads; log_pi: (n,) the slots' compound log π so far; target: the expected kept count (topk: the count).
+    A head with at most ``target`` slots (a layer's heads differ in count) keeps them all, π = 1, drawing nothing.
     """
+    n = view.keys.shape[-2]
+    if n <= target:
+        return torch.arange(n, device=log_pi.device), torch.zeros(n, dtype=torch.float32, device=log_pi.device)
     scores = policy.score(view, generator).to(torch.float64)  # (1, 1, n)
     if design == "poisson":
         scores = scores * torch.exp(-log_pi.to(torch.float64)).to(scores.device)  # tokens each slot stands for
