@@ -257,6 +257,22 @@ def test_with_the_records_decisions_each_flip_is_checked_by_the_record(tmp_path,
         assert ok is passes, out
 
 
+def test_more_flips_than_a_correct_rerun_makes_fail_however_many_near_ties(tmp_path, capsys):
+    # every draw of the rerun a draw near-tie (as most Poisson draws of a real cell are): two flips in one row are
+    # each explained by a near-tie, but nine near-tie draws flip twice with probability below FLIP_TAIL
+    assert compare_results.flip_bound(9) == 1 and compare_results.flip_bound(0) == 0
+    assert compare_results.flip_bound(1443) == 8  # the two v5 cells recomputed on another CPU flipped one
+    committed = _study(tmp_path / "record", 55.5556, None)
+    two = _decisions([[True, True, True], [True, True, True], [True, False, False]], draw=DRAW_RTOL / 2)
+    ok, out = _compare(committed, _study(tmp_path / "two", 77.7778, two), capsys)
+    assert not ok, out
+    assert ("v5: 2 near-tie flips in accuracy.csv's rows, more than a correct rerun makes: at most 1 of its 9 "
+            f"near-tie draws (each flipping at rate {compare_results.FLIP_RATE:g}") in out
+    # one flip among the same near-ties passes, named
+    ok, out = _compare(committed, _study(tmp_path / "one", 66.6667, _decisions(FLIPPED, draw=DRAW_RTOL / 2)), capsys)
+    assert ok and "explained by 1 near-tie flip:" in out, out
+
+
 def test_near_ties_follow_the_stated_tolerances():
     row = {"decode_margin": 0.0, "decided_logit": 25.0, "draw_margin": float("nan")}
     assert near_ties({**row, "decode_margin": 0.99 * DECODE_RTOL * 25}) == {DECODE: pytest.approx(0.99 * DECODE_RTOL * 25)}

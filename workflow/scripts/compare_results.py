@@ -40,7 +40,9 @@ DECODE_RTOL, DRAW_RTOL):
   such flips are named.
 
 Each accepted flip is printed (study, cell, configuration, item, which margin and its value); an accuracy with a
-flip that no near-tie explains, or more flips than its near-ties, fails. Verdicts and sample sizes are never
+flip that no near-tie explains, or more flips than its near-ties, fails, and so does a study whose accepted flips
+outnumber what a correct rerun makes (``flip_bound``: FLIP_RATE per near-tie draw; most Poisson draws carry a
+draw near-tie, so their count, not their presence, is what tells a bug from rounding). Verdicts and sample sizes are never
 excused; claims.csv and reproduction.csv keep the float rule above, so an accepted flip that moves a claim's
 estimate beyond it still fails there. Where the record keeps its cells' items.parquet, ``compare_cells`` compares
 them row by row with the same rule (every changed answer a near-tie; other numbers within ``ITEM_RTOL``).
@@ -92,6 +94,16 @@ DECISIONS = "decisions.parquet"
 # relative, and for log-probabilities (a logit minus a log-sum-exp, each moved by 1e-4 of a logit of up to ~50)
 # 0.01 absolute.
 ITEM_RTOL, LOGPROB_ATOL = 1e-3, 1e-2
+# How many flips a correct rerun makes. A near-tie alone says little where draws are concerned: the draw margin is
+# the closest of the tens of thousands of |u − π| / π of a Poisson configuration, so most Poisson draws carry one
+# (1,443 of the 2,232 of v5's cells oracle-smollm2-share0.8 and qa-smollm2-share0.8, recomputed on an AMD EPYC
+# against the Intel Xeon record), and a planted bug's changed answers find near-ties to stand on (SnapKV's
+# configurations scored by key norms moved a Poisson row of a small real cell by one draw at a draw margin of
+# 5.5e-5, tests/test_decisions.py). What a bug cannot hide is how many answers it changes: that rerun flipped one
+# of those 1,443 near-tie draws. So the flips accepted in a study may number no more than a correct rerun makes
+# with probability 1 - FLIP_TAIL when each of its near-tie draws (configurations) flips with probability FLIP_RATE
+# (above the measured 1 in 1,443): at most 1 flip among 10 near-tie draws, 3 among 100, 8 among 1,443.
+FLIP_RATE, FLIP_TAIL = 1e-3, 1e-4
 TOLERANCE = f"rtol {RTOL:g} (atol {ATOL:g}) or {WIDTH_FRACTION:g} of the row's interval width"
 SCALES = Path(__file__).resolve().parents[1] / "scales"
 
@@ -451,11 +463,15 @@ def compare_study_cells(committed: Path, fresh: Path, study: str) -> bool:
     shards = sorted(p.parent for p in (committed / study / "cells").glob("*/shard-*/items.parquet"))
     if not shards:
         return True
-    ok, flips = True, 0
+    ok, flips, ties = True, 0, 0
     for shard in shards:
         name = f"{study} {shard.parent.name}/{shard.name}"
         diffs, accepted = compare_cells(shard, fresh / shard.relative_to(committed), f"{name} ")
         flips += len(accepted)
+        if accepted:  # the margins that judged them: the record's, else the rerun's
+            judged = next((p / DECISIONS for p in (shard, fresh / shard.relative_to(committed))
+                           if (p / DECISIONS).is_file()), None)
+            ties += near_tie_draws(pd.read_parquet(judged)) if judged is not None else 0
         for line in accepted:
             print(f"verify-results: cells: accepted {line}")
         if diffs:
@@ -465,10 +481,46 @@ def compare_study_cells(committed: Path, fresh: Path, study: str) -> bool:
                 print(f"  {line}")
             if len(diffs) > 20:
                 print(f"  ... and {len(diffs) - 20} more")
+    too_many = too_many_flips(study, flips, ties, "its cells")
+    if too_many is not None:
+        ok = False
+        print(f"verify-results: cells ({study}): DIFFERS")
+        print(f"  {too_many}")
     if ok:
         print(f"verify-results: cells ({study}): {len(shards)} shards agree row by row"
               + (f" but for {flips} near-tie flips (above)" if flips else ""))
     return ok
+
+
+def flip_bound(near_tie_draws: int) -> int:
+    """The most flips a correct rerun makes among ``near_tie_draws`` near-tie configurations: the smallest k with
+    P(Poisson(FLIP_RATE · near_tie_draws) > k) <= FLIP_TAIL."""
+    rate = FLIP_RATE * max(int(near_tie_draws), 0)
+    k, term = 0, math.exp(-rate)
+    below = term  # P(X <= k)
+    while 1.0 - below > FLIP_TAIL:
+        k += 1
+        term *= rate / k
+        below += term
+    return k
+
+
+def near_tie_draws(decisions: pd.DataFrame | None) -> int:
+    """How many configurations (rows) of a decisions table carry a near-tie of either kind."""
+    if decisions is None or not len(decisions):
+        return 0
+    return int(sum(bool(near_ties(row)) for row in decisions[["decode_margin", "decided_logit", "draw_margin"]]
+                   .to_dict("records")))
+
+
+def too_many_flips(study: str, flips: int, ties: int, where: str) -> str | None:
+    """The line saying that ``flips`` accepted flips are more than a correct rerun makes (``flip_bound`` of
+    ``ties``, the near-tie draws of the margins that judged them), or None."""
+    bound = flip_bound(ties)
+    if flips <= bound:
+        return None
+    return (f"{study}: {flips} near-tie flips in {where}, more than a correct rerun makes: at most {bound} of its "
+            f"{ties} near-tie draws (each flipping at rate {FLIP_RATE:g}, tail {FLIP_TAIL:g})")
 
 
 def _margin(decided, column: str) -> str:
@@ -484,6 +536,14 @@ def compare(committed: Path, fresh: Path, studies: list[str], byte_for_byte: boo
         accepted: list[str] = []
         explain = None if byte_for_byte else (lambda r, f: explain_accuracy(committed, fresh, r, f))
         diffs = compare_table(committed / name, fresh / name, studies, byte_for_byte, explain, accepted)
+        if accepted:  # the flips accepted per study, against what a correct rerun makes
+            for study in studies:
+                flips = sum(1 for line in accepted if line.startswith(f"  {study} "))
+                judged = study_decisions(committed, study)
+                ties = near_tie_draws(judged if judged is not None else study_decisions(fresh, study))
+                line = too_many_flips(study, flips, ties, f"{name}'s rows")
+                if line is not None:
+                    diffs.append(line)
         for line in accepted:
             print(f"verify-results: {name}: accepted {line}" if not line.startswith("  ") else f"  {line}")
         if not diffs:
