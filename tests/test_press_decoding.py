@@ -267,3 +267,17 @@ def test_heads_of_different_counts_are_thinned_each_to_the_bound():
     # the allocator's counts differ by the interval or more: at the first compression the short head is at the target
     assert int(counts.max()) - int(counts.min()) >= INTERVAL
     assert out.peak_cache_tokens <= BOUND and out.decode_compressions >= 2
+
+
+@pytest.mark.smollm2
+def test_on_smollm2_several_questions_stay_under_the_bound(smollm2):
+    """``press.answer`` (one prefill of the document, each question fed at once on its compressed cache): the
+    question's tokens and the answer fit under the bound, each answer's certificate says how."""
+    model, tokenizer = smollm2
+    context, question, _ = passkey_prompt(n_noise=8, n_needles=1, seed=2)
+    press = kvcert.press(policy="snapkv", design="poisson", compression_ratio=0.5, seed=1, max_cache_tokens=96)
+    answers = press.answer(model, tokenizer, context=context, questions=[question, "\nWhat is the noise about?"],
+                           max_new_tokens=12)
+    for answer in answers:
+        assert answer.certificate.peak_cache_tokens <= 96 and answer.certificate.decode_compressions > 0
+        assert answer.certificate.max_rel_cert > 0
