@@ -77,6 +77,7 @@ def _check_split(single, split, prompt, devices):
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow  # two loads, two presses and two targeted generates: make test-full
 def test_a_cpu_and_disk_split_gives_the_single_device_answer_and_certificate(single, prompt, tmp_path):
     """Layers 0-14 on the CPU, 15-29 offloaded to disk: the press's greedy tokens, retained slots and step table
     (certificates) equal those of the model loaded whole; so does ``kvcert.generate`` with a policy that reads the
@@ -99,6 +100,7 @@ def test_a_cpu_and_disk_split_gives_the_single_device_answer_and_certificate(sin
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for a GPU/CPU split")
 def test_a_gpu_and_cpu_split_gives_the_single_device_answer(single, prompt):
     model, _ = single
