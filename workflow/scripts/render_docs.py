@@ -550,10 +550,11 @@ NUMBER = re.compile(r"(?<![\w.,])[+−-]?\d[\d,]*(?:\.\d+)?(?:[eE][+−-]?\d+)?(
 DEFINITIONS = {
     # code: a command or a literal the reader types (tests/test_docs.py checks its names against the code)
     "code": r"```.*?```|`[^`\n]*`",
-    # a link's target (a file name, an anchor)
-    "link": r"\]\([^)]*\)",
-    # the pre-registration's version numbers: amendment 2, amendments 2 and 3, version 1, prereg 4
-    "version": r"\b(?:[Aa]mendments?|[Vv]ersions?|prereg(?:_version)?[= ])[\s-]*\[?\d+\]?(?:(?:,\s+|\s+and\s+|\s+or\s+|\s+to\s+|[–-])\[?\d+\]?)*",
+    # a link's target (a file name, an anchor), and a file's path, whose digits are part of a name
+    "link": r"\]\([^)]*\)|\b[\w.-]*[A-Za-z][\w.-]*(?:/[\w.-]+)+",
+    # the pre-registration's version numbers and the held-out checks' names: amendment 2, amendments 2 and 3,
+    # version 1, prereg 4, check 2
+    "version": r"\b(?:[Aa]mendments?|[Vv]ersions?|[Cc]hecks?|prereg(?:_version)?[= ])[\s-]*\[?\d+\]?(?:(?:,\s+|\s+and\s+|\s+or\s+|\s+to\s+|[–-])\[?\d+\]?)*",
     # a name holding digits: model families and versions, the paper's arXiv id, the lock's Python
     "name": r"Gemma 3|Llama[ -]3\.1|Phi-3|arXiv \d{4}\.\d{4,5}|Python 3\.\d+",
     # a level written in δ, the formula being its definition: (1 − δ), 1 − δ/5
