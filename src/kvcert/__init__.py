@@ -57,6 +57,13 @@ def __getattr__(name: str):
         value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value
         return value
+    # a submodule the docs name after ``import kvcert`` alone (kvcert.presses.register_pipeline(),
+    # kvcert.targets.TargetNotMetWarning), imported on first use like the names above
+    if not name.startswith("_"):
+        from importlib.util import find_spec
+
+        if find_spec(f"{__name__}.{name}") is not None:
+            return import_module(f".{name}", __name__)
     raise AttributeError(f"module 'kvcert' has no attribute {name!r}")
 
 
