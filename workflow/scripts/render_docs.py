@@ -559,6 +559,8 @@ DEFINITIONS = {
     "name": r"Gemma 3|Llama[ -]3\.1|Phi-3|arXiv \d{4}\.\d{4,5}|Python 3\.\d+",
     # a level written in δ, the formula being its definition: (1 − δ), 1 − δ/5
     "level": r"\b1 ?[−-] ?δ(?:/\d+)?",
+    # a day written as an ISO date (a record's or an amendment's date names it, as a version does)
+    "date": r"\b(?:19|20)\d\d-[01]\d-[0-3]\d\b",
     # the year of a citation: (P. Xie, 2026), Feng et al. 2024
     "year": r"(?<=, )(?:19|20)\d\d(?=\))|(?<=et al\. )(?:19|20)\d\d\b",
     # 0 and 1 as a formula's bounds and identities: π = 1, (0, 1], 1 − π, 0 < π < 1
