@@ -123,10 +123,29 @@ device-check-standin:
 	    $(DEVICE_CHECK_ARGS) || status=1; \
 	exit $$status
 
-## The default test suite, including the smoke DAG end to end and the held-out calibration check (README's
-## test command).
+## The test tiers, by marker (pyproject.toml describes each marker; tests/test_mutations.py reads these two lines):
+## make test, README's test command, runs the unit tests and the real-model tests, at most 12 minutes on 2 cores;
+## make test-full runs what it leaves out that CI still runs (marker slow: the smoke DAG end to end, the held-out
+## calibration check, the planted mutations, the other end-to-end runs of a minute or more). CI runs both, then
+## make test-cluster and make test-slurm; make test-long is outside CI.
+TEST_MARKERS := not slurm and not long and not cluster and not slow
+TEST_FULL_MARKERS := slow and not slurm and not long and not cluster
+
+## The default test suite (README's test command): everything but the tiers below.
 test: install model peers
-	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "not slurm and not long and not cluster" --durations=25
+	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "$(TEST_MARKERS)" --durations=25
+
+## The end-to-end tier CI runs after make test (marker slow): the smoke DAG, the held-out calibration check, the
+## planted mutations (tests/mutations.yaml), the peer comparison on Gemma 3, resumed and interrupted DAGs.
+.PHONY: test-full
+test-full: install model peers
+	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "$(TEST_FULL_MARKERS)" --durations=25
+
+## The planted mutations alone (tests/mutations.yaml, part of make test-full): each bug in a scratch copy of src/
+## against the tests listed for it; prints the tests that caught each.
+.PHONY: mutations
+mutations: install model peers
+	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -s tests/test_mutations.py
 
 ## The offline cluster's path, bounded (CI runs it after make test): staging a scale, an install and a stand-in cell
 ## with the network cut, the measured pilot on the CPU through the GPU's code path.
@@ -182,19 +201,19 @@ test-device-map: install model
 	$(BIN)/python -m pytest -q tests/test_press_device_map.py --durations=5
 
 ## The calibrated certificate's held-out check alone (kvcert-calibrate on 20 prompts, kvcert-run on 20 others;
-## 3 CPU-minutes, measured 8.5 minutes on 2 cores shared with other work; also part of `make test`).
+## 3 CPU-minutes, measured 8.5 minutes on 2 cores shared with other work; also part of `make test-full`).
 test-heldout: install model
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m heldout
 
 ## The long end-to-end checks outside `make test`: amendment 5's reuse-population -> timing -> power -> design path
-## on both models at smoke size (about 25 minutes on 2 shared cores), a throwaway amendment's staged pilot (make test
-## runs it with a reused population) and `make device-check-standin` end to end.
+## on both models at smoke size (about 25 minutes on 2 shared cores), a throwaway amendment's staged pilot (make
+## test-full runs it with a reused population) and `make device-check-standin` end to end.
 test-long: install model
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m long
 
 ## Unit tests only (no SmolLM2, no DAG, nothing downloaded: the tests train their own tokenizers).
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slurm and not smollm2 and not slow"
+	$(BIN)/python -m pytest -q -m "not slurm and not smollm2 and not slow and not long and not cluster"
 
 ## All seven claims end to end on a handful of items (minutes on 2 cores).
 smoke: install

@@ -73,7 +73,12 @@ def test_result_serializes_to_strict_json():
     import json
     res = run("c6", n_items=60, seed=3)
     text = json.dumps(res.to_dict(), allow_nan=False)
-    assert '"verdict"' in text and "figure_data" not in text
+    back = json.loads(text)
+    assert "figure_data" not in back
+    # Every field survives the round trip with its value (NaN, which strict JSON lacks, as null).
+    assert (back["claim"], back["verdict"], back["component"], back["n"]) == ("c6", res.verdict, res.component, res.n)
+    assert back["estimate"] == pytest.approx(res.estimate) and back["ci_low"] <= back["estimate"] <= back["ci_high"]
+    assert [c["name"] for c in back["details"]["components"]] == [c["name"] for c in res.details["components"]]
 
 
 def test_missing_population_rows_name_what_is_missing():
@@ -95,8 +100,20 @@ def test_smoke_scale_few_items_still_runs(claim_id):
     items, steps = synthetic.make_tables(synthetic.SynthSpec(n_items=4, n_seeds=1, seed=5))
     opts = claims.options_for(specs[claim_id], conv, scale="smoke", n_boot=100)
     res = claims.run_claim(claim_id, claims.Tables(items, steps), specs[claim_id], conv, opts)
-    assert res.verdict in ("supported", "not supported", "inconclusive")
     assert res.details["run"]["n_boot_below_preregistered"] is True
+    # The smoke options change the bootstrap's size, not the point estimates: every component's estimate is the
+    # one the same four items give under the default options, and so are the binding component and n.
+    default = claims.run_claim(claim_id, claims.Tables(items, steps), specs[claim_id], conv,
+                               claims.options_for(specs[claim_id], conv, n_boot=N_BOOT))
+    assert (res.component, res.n) == (default.component, 4)
+    assert [c["estimate"] for c in res.details["components"]] == pytest.approx(
+        [c["estimate"] for c in default.details["components"]], nan_ok=True)
+    assert res.estimate == pytest.approx(default.estimate, nan_ok=True)
+    # The claim's verdict combines its components' verdicts by the pre-registered rule.
+    parts = [c["verdict"] for c in res.details["components"]]
+    combined = ("supported" if all(v == "supported" for v in parts) else
+                "not supported" if "not supported" in parts else "inconclusive")
+    assert res.verdict == combined
 
 
 def test_no_failures_makes_attribution_inconclusive_not_an_error():

@@ -32,8 +32,8 @@ SETTINGS = ("question_aware", "streaming")
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return kvcert.load_model("smollm2")[1]
+def tokenizer(smollm2):
+    return smollm2[1]
 
 
 def _prompts(tokenizer):
@@ -67,6 +67,7 @@ def float32_kernel(tokenizer):
     return _decode(model, _prompts(tokenizer))
 
 
+@pytest.mark.slow  # SmolLM2 decoded in bfloat16 and float16 on the CPU (emulated, slow): make test-full
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_certificate_matches_float64_and_the_kernel_run(dtype, tokenizer, float32_kernel, monkeypatch):
     monkeypatch.setenv("KVCERT_KERNELS", "0")

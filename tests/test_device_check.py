@@ -53,6 +53,7 @@ def test_each_bound_fails_its_own_line():
         assert failed == [name], (name, lines)
 
 
+@pytest.mark.slow  # SmolLM2 in two dtypes against the float32 reference, several decodes: make test-full
 @pytest.mark.smollm2
 def test_the_command_passes_on_this_machine(capsys):
     """The real command, shortened (one prompt in both settings, four tokens, one timing round): every line is

@@ -103,6 +103,7 @@ def test_unsupported_head_sizes_are_refused_and_left_to_the_pytorch_path():
         hajek_triton.hajek_step(*_inputs(1, 1, 2, 20, 10, 80, torch.float32, causal=False), 0.1)
 
 
+@pytest.mark.slow  # a real decode through Triton's CPU interpreter: make test-full
 @pytest.mark.smollm2
 def test_smollm2_decodes_the_same_through_the_triton_kernel(interpreted, monkeypatch):
     """Real decoding (SmolLM2, certificates and the oracle on, a Poisson row) through the Triton kernel and

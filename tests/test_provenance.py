@@ -92,6 +92,7 @@ def test_source_checkout_is_that_of_the_imported_package(tmp_path):
     provenance.source_checkout.cache_clear()
 
 
+@pytest.mark.slow  # compiles the kernel from scratch: make test-full
 def test_a_stale_build_lock_does_not_hang_the_next_build(tmp_path):
     """A build killed mid-way leaves PyTorch's lock file behind, on which torch's loader waits forever; the
     next build (a fresh extensions directory here, so it really compiles) must remove it and finish, and a
@@ -117,6 +118,7 @@ CELL = ["progress=false", "threads=1", "data=ruler", "data.context_tokens=200", 
         "n_items=4", "policies=[snapkv]", "designs=[topk,poisson]", "budgets=[0.5]", "seeds=[0]"]
 
 
+@pytest.mark.slow  # two real cells, one on an edited copy of the library: make test-full
 @pytest.mark.smollm2
 def test_resume_after_a_library_edit_is_refused(tmp_path):
     """kvcert-run killed after its first checkpointed item, the library edited, the same command rerun: exit 2

@@ -42,6 +42,20 @@ def _check(out, var, dtype):
     return trace
 
 
+def _trace_reference(q, k, v, log_pi) -> np.ndarray:
+    """The variance's trace Σ_i (1 − π_i) a_i² ‖v_i − ô‖² in float64 from the same (rounded) inputs, (1, heads, m):
+    a the softmax weights of the logits q·k/√d − log π over the retained slots, ô = Σ a_i v_i."""
+    q, k, v, log_pi = (t.double().numpy() for t in (q, k, v, log_pi))
+    keep = np.isfinite(log_pi)  # (1, heads, n)
+    logits = np.einsum("bhmd,bhnd->bhmn", q, k) / math.sqrt(q.shape[-1]) - np.where(keep, log_pi, 0.0)[..., None, :]
+    logits = np.where(keep[..., None, :], logits, -np.inf)
+    a = np.exp(logits - logits.max(-1, keepdims=True))
+    a /= a.sum(-1, keepdims=True)
+    out = np.einsum("bhmn,bhnd->bhmd", a, v)
+    spread = ((v[:, :, None] - out[..., None, :]) ** 2).sum(-1)  # (1, heads, m, n)
+    return ((-np.expm1(np.where(keep, log_pi, 0.0)))[..., None, :] * a**2 * spread).sum(-1)
+
+
 def _log_pi(n, heads=2, certain=(), tail=None):
     """(1, heads, n): 0 at ``certain``, log π at ``tail`` {index: π}, -inf elsewhere."""
     log_pi = torch.full((1, heads, n), NEG_INF)
@@ -59,7 +73,9 @@ def test_pi_at_its_floor(dtype, pi_floor):
     log_pi = _log_pi(12, certain=range(4), tail={i: pi_floor for i in range(4, 12)})
     out, var = kvcert.hajek_attention(q, k, v, log_pi)
     trace = _check(out, var, dtype)
-    assert (trace > 0).all()  # floor tokens carry huge weight 1/π: a large but finite variance
+    # Floor tokens carry huge weight 1/π: a large but finite variance, the formula's to float32 rounding.
+    np.testing.assert_allclose(trace.double().numpy(), _trace_reference(q, k, v, log_pi), rtol=2e-3)
+    assert (trace > 0.01).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -68,6 +84,8 @@ def test_single_retained_tail_token(dtype):
     log_pi = _log_pi(12, certain=(0, 1, 11), tail={5: 0.3})
     out, var = kvcert.hajek_attention(q, k, v, log_pi)
     trace = _check(out, var, dtype)
+    # One sampled slot: the trace is (1 − 0.3) a_5² ‖v_5 − ô‖², to float32 rounding.
+    np.testing.assert_allclose(trace.double().numpy(), _trace_reference(q, k, v, log_pi), rtol=2e-3)
     assert (trace > 0).all()
 
 

@@ -79,9 +79,16 @@ def _prereg(*args):
 
 
 def test_prereg_verify_passes_on_an_unedited_copy(tmp_path):
+    from kvcert.analysis import prereg
+
     proc = _prereg("--root", str(_copy_prereg(tmp_path)), "verify")
     assert proc.returncode == 0, proc.stderr
-    assert "version 1 lock OK" in proc.stdout
+    # Every locked version of the repository is verified in the copy, each with its lock's file count and time.
+    locked = [n for n, known in sorted(prereg.versions(ROOT).items()) if (ROOT / known.lock).is_file()]
+    assert locked[0] == 1 and len(locked) >= 5
+    assert proc.stdout.strip() == "; ".join(
+        f"version {n} lock OK ({len(lock['files'])} files, locked {lock['locked_at_utc']})"
+        for n, lock in ((n, prereg.read_lock(ROOT, n)) for n in locked))
 
 
 @pytest.mark.parametrize("edit, expected", [pytest.param(*c[1:], id=c[0]) for c in PREREG_CASES])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,8 +72,16 @@ def test_a_standin_runs_through_generate(built, tokenizer):
     model, tok = load_model({"kind": "hf", "name": str(built["qwen2"]), "dtype": "bfloat16", "device": "cpu"})
     result = generate(model, tok, context="The grass is green. " * 40, question=" What is green?",
                       budget=0.5, design="poisson", setting="streaming", max_new_tokens=4)
-    assert len(result.token_ids) >= 1 and len(result.steps) > 0
-    assert result.steps["trace_var"].notna().all()
+    from kvcert.run_schema import DELTA
+
+    steps = result.steps
+    assert len(result.token_ids) >= 1 and len(steps) > 0
+    # One row per step, layer and KV head, each with its certificate √(tr V̂ / δ) and that relative to ‖ô‖.
+    config = model.config
+    assert len(steps) == steps["step"].nunique() * config.num_hidden_layers * config.num_key_value_heads
+    assert (steps["trace_var"] >= 0).all() and (steps["trace_var"] > 0).any()
+    np.testing.assert_allclose(steps["cert"], np.sqrt(steps["trace_var"].to_numpy(float) / DELTA), rtol=1e-5)
+    np.testing.assert_allclose(steps["rel_cert"], steps["cert"] / steps["out_norm"], rtol=1e-5)
 
 
 def test_longbench_copy_loads_offline_at_both_lengths(tmp_path, tokenizer):
