@@ -556,7 +556,7 @@ DEFINITIONS = {
     # version 1, prereg 4, check 2
     "version": r"\b(?:[Aa]mendments?|[Vv]ersions?|[Cc]hecks?|prereg(?:_version)?[= ])[\s-]*\[?\d+\]?(?:(?:,\s+|\s+and\s+|\s+or\s+|\s+to\s+|[–-])\[?\d+\]?)*",
     # a name holding digits: model families and versions, the paper's arXiv id, the lock's Python
-    "name": r"Gemma 3|Llama[ -]3\.1|Phi-3|arXiv \d{4}\.\d{4,5}|Python 3\.\d+",
+    "name": r"Gemma 3|Llama[ -]3\.1|Phi-3|arXiv[ :]\d{4}\.\d{4,5}|Python 3\.\d+",
     # a level written in δ, the formula being its definition: (1 − δ), 1 − δ/5
     "level": r"\b1 ?[−-] ?δ(?:/\d+)?",
     # a day written as an ISO date (a record's or an amendment's date names it, as a version does)
