@@ -205,7 +205,8 @@ def _snapshot(model) -> dict:
 
 def test_bad_batches_get_one_line_and_leave_the_model_as_it_was():
     """A row beyond the model's window (naming the row and its lengths), a right-padded row, the oracle, beam
-    search, and a document beyond the window with truncate=error: one line each; the model is as before."""
+    search, compression during decoding, and a document beyond the window with truncate=error: one line each; the
+    model is as before."""
     from helpers.tiny_models import COMMON
     from helpers.tokenizer import byte_level_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -235,6 +236,9 @@ def test_bad_batches_get_one_line_and_leave_the_model_as_it_was():
     ids, mask = _left_padded([short, short[:, 10:]], 0)
     with pytest.raises(ValueError, match="oracle=True measures one prompt at a time"):
         with kvcert.press(policy="snapkv", budget=0.5, oracle=True)(model):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"max_cache_tokens=128 \(compression during decoding\) runs one prompt"):
+        with kvcert.press(policy="snapkv", budget=0.5, max_cache_tokens=128, compression_interval=16)(model):
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
     assert _snapshot(model) == before
 
