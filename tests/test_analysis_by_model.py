@@ -52,7 +52,11 @@ def test_a_model_without_the_population_gets_its_error(work):
     _, cells = work
     # model-b contributes only question-aware cells: C7 (streaming) cannot run on it alone
     result = _run(work, "c7", cells["model-a"] + cells["model-b"][:1])
-    assert "verdict" in result.details["by_model"]["model-a"]
+    # model-a's entry is its claim on its own cells, unchanged by model-b's failure.
+    entry, alone = result.details["by_model"]["model-a"], _run(work, "c7", cells["model-a"], name="c7-model-a-alone")
+    assert (entry["verdict"], entry["n"]) == (alone.verdict, alone.n) and alone.n > 0
+    assert entry["estimate"] == pytest.approx(alone.estimate, nan_ok=True)
+    assert set(result.details["by_model"]["model-b"]) == {"error"}
     error = result.details["by_model"]["model-b"]["error"]
     assert "streaming" in error and "\n" not in error
 
