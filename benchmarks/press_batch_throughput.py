@@ -11,8 +11,12 @@ over the rounds:
   this includes B prefills);
 * ``decode tok/s``: the new tokens after the first over the time from the first new token to the end (a streamer
   stamps them): what decoding the rows together buys;
-* ``peak MB``: the resident memory's high-water mark during the call above the resident memory before it (the mark
-  reset first, ``/proc/self/clear_refs``; Linux);
+* ``heap MB``: the largest heap in use during the call (glibc's ``mallinfo2``: malloc'd and mmap'd bytes, which
+  hold torch's CPU tensors; sampled every millisecond by a thread) above the heap in use before it: what the call
+  itself allocates, whatever the process kept from earlier calls;
+* ``RSS MB``: the resident memory's high-water mark during the call above the resident memory before it (the mark
+  reset first, ``/proc/self/clear_refs``; Linux): memory the allocator already holds from earlier calls is reused
+  without showing here, so this reads low after a larger call;
 * ``x B=1``: decode tok/s over the same configuration's at batch 1.
 
     python benchmarks/press_batch_throughput.py [--batches 1 2 4 8] [--new-tokens 32] [--rounds 3] [--threads 2]
@@ -22,8 +26,10 @@ over the rounds:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
+import threading
 import time
 
 import torch
@@ -52,6 +58,53 @@ class Stamps:
         self.end_time = time.perf_counter()
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+class HeapPeak:
+    """The largest heap in use (bytes malloc'd from arenas plus mmap'd blocks) while the block runs, sampled by a
+    thread; None where glibc's mallinfo2 is not available."""
+
+    def __init__(self, interval: float = 0.001):
+        try:
+            self._mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+            self._mallinfo2.restype = _Mallinfo2
+        except (OSError, AttributeError):
+            self._mallinfo2 = None
+        self.interval, self.before, self.peak = interval, None, None
+
+    def _in_use(self) -> int:
+        info = self._mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def __enter__(self):
+        if self._mallinfo2 is None:
+            return self
+        self.before = self.peak = self._in_use()
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.is_set():
+                self.peak = max(self.peak, self._in_use())
+                time.sleep(self.interval)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._mallinfo2 is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self._in_use())
+
+    @property
+    def mb(self) -> float | None:
+        return None if self.before is None else (self.peak - self.before) / 2**20
+
+
 def prompts(tokenizer, new_tokens: int) -> list[torch.Tensor]:
     out = []
     for i, noise in enumerate(NOISE):
@@ -75,20 +128,21 @@ def run(model, tokenizer, rows: list[torch.Tensor], configuration: str, new_toke
                   do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id, streamer=stamps)
     reset_peak_resident()
     before = resident_kb("VmRSS")
-    start = time.perf_counter()
-    if configuration == "full":
-        out = model.generate(**kwargs)
-    else:
-        press = kvcert.press(policy="snapkv", design=configuration, compression_ratio=0.5, seed=0)
-        with press(model):
+    with HeapPeak() as heap:
+        start = time.perf_counter()
+        if configuration == "full":
             out = model.generate(**kwargs)
-    wall = time.perf_counter() - start
+        else:
+            press = kvcert.press(policy="snapkv", design=configuration, compression_ratio=0.5, seed=0)
+            with press(model):
+                out = model.generate(**kwargs)
+        wall = time.perf_counter() - start
     peak = resident_kb("VmHWM")
     generated = out.shape[0] * (out.shape[-1] - ids.shape[-1])
     decode = stamps.end_time - stamps.first
     return {"configuration": configuration, "batch": len(rows), "new_tokens": generated, "seconds": wall,
             "tok_s": generated / wall, "decode_tok_s": (generated - len(rows)) / decode,
-            "peak_mb": None if peak is None or before is None else (peak - before) / 1024,
+            "heap_mb": heap.mb, "rss_mb": None if peak is None or before is None else (peak - before) / 1024,
             "prompt_tokens": [int(r.shape[-1]) for r in rows]}
 
 
@@ -117,20 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nSmolLM2-135M on the CPU ({args.threads} threads), snapkv at compression_ratio 0.5, greedy, "
           f"{args.new_tokens} new tokens per row; prompts of {[int(r.shape[-1]) for r in rows]} tokens; medians over "
           f"{args.rounds} rounds\n")
-    print("| configuration | batch | tok/s | decode tok/s | x B=1 (decode) | peak MB |")
-    print("|---|---|---|---|---|---|")
+    print("| configuration | batch | tok/s | decode tok/s | x B=1 (decode) | heap MB | RSS MB |")
+    print("|---|---|---|---|---|---|---|")
     median = {}
     for batch, configuration in cells:
         runs = [m for m in measured if m["batch"] == batch and m["configuration"] == configuration]
         median[batch, configuration] = {k: statistics.median(m[k] for m in runs)
-                                        for k in ("tok_s", "decode_tok_s", "peak_mb") if runs[0][k] is not None}
+                                        for k in ("tok_s", "decode_tok_s", "heap_mb", "rss_mb")
+                                        if runs[0][k] is not None}
     for configuration in CONFIGURATIONS:
         base = median.get((min(args.batches), configuration), {}).get("decode_tok_s")
         for batch in args.batches:
             m = median[batch, configuration]
-            peak = f"{m['peak_mb']:.0f}" if "peak_mb" in m else "n/a"
+            heap, rss = (f"{m[k]:.0f}" if k in m else "n/a" for k in ("heap_mb", "rss_mb"))
             print(f"| {configuration} | {batch} | {m['tok_s']:.1f} | {m['decode_tok_s']:.1f} | "
-                  f"{m['decode_tok_s'] / base:.2f} | {peak} |")
+                  f"{m['decode_tok_s'] / base:.2f} | {heap} | {rss} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "runs": measured}, f, indent=1)
