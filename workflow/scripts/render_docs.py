@@ -567,8 +567,9 @@ DEFINITIONS = {
     "math": r"(?<=[=<>≤≥∈(\[−+] )[01](?![\d.,]\d)|(?<=[=<>≤≥∈(\[])[01](?![\d.,]\d)|\b[01](?= ?[<≤−+·/\])]| ?[,;] ?[01π]\b)",
     # a command's exit status (0 success, 1 failure, 2 bad input: the tools' convention, tested by their CLI tests)
     "exit": r"(?<=\bexit )[012]\b|(?<=\bexits )[012]\b|(?<=\bexit status )[012]\b",
-    # a step of a numbered list or a numbered heading, and a section sign's number (METHOD.md §7)
-    "step": r"^[ \t]*(?:#+ )?\d+\.(?= )|§\d+(?:\.\d+)*",
+    # a step of a numbered list or a numbered heading, a reference to one (step 4, steps 2-4), and a section
+    # sign's number (METHOD.md §7)
+    "step": r"^[ \t]*(?:#+ )?\d+\.(?= )|\b[Ss]teps? \d+(?:[-–]\d+)?\b|§\d+(?:\.\d+)*",
 }
 # code and link targets first: a version's pattern must not take a link's bracket
 UNCOUNTED = [re.compile(f"{DEFINITIONS['code']}|{DEFINITIONS['link']}", re.S),
