@@ -21,8 +21,9 @@ the call less the RSS just before it (freed heap returned to the system first: R
 torch's tensors bypass tracemalloc), and the bytes of the cache generate returns (kvcert: its buffers with their
 spare slots and per-slot log pi, offset and position). Agreement: the generated ids equal kvpress's, token for token.
 
-Batch 1 only: kvpress's pipeline and press run one prompt per call, and kvcert's press batches were not part of
-this library when the benchmark was written.
+Batch 1 only: kvpress's pipeline runs one prompt per call, and its press on a left-padded batch scores the padding
+keys like tokens (SnapKV's window attention has only a causal mask, Knorm none) and keeps one count per row, so a
+row's answer is not the prompt's alone; kvcert's press against batch size is benchmarks/press_batch_throughput.py.
 
 Writes (atomically, rewritten after each item, scorer and ratio) OUT/runs.csv (one row per run) and OUT/summary.csv
 (per scorer, ratio and kvcert design: the median and interquartile range of the per-run ratios to kvpress's run of
