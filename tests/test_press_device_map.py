@@ -35,7 +35,7 @@ def _split_map(model, first: str, second: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def single():
-    return kvcert.load_model("smollm2")
+    return kvcert.load_model("smollm2", device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def prompt(single):
 
 def _press_answer(model, tokenizer, prompt, **options):
     context, question, prefix = prompt
-    ids = tokenizer(context + question + prefix, return_tensors="pt").input_ids
+    ids = tokenizer(context + question + prefix, return_tensors="pt").input_ids.to(model.device)
     press = kvcert.press(policy="snapkv", compression_ratio=0.5, seed=3, **options)
     with press(model):
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
@@ -54,7 +54,7 @@ def _press_answer(model, tokenizer, prompt, **options):
     return out.sequences[0, ids.shape[-1]:].tolist(), press.certificate, out.past_key_values
 
 
-def _check_split(single, split, prompt, devices):
+def _check_split(single, split, prompt, devices, rtol=1e-5):
     """The press (Poisson, with its certificate) on the split model against the model on one device."""
     model, tokenizer = single
     split_model, _ = split
@@ -66,7 +66,7 @@ def _check_split(single, split, prompt, devices):
     columns = ["step", "layer", "kv_head", "trace_var", "cert", "rel_cert"]
     a, b = cert.steps[columns], split_cert.steps[columns]
     assert len(a) == len(b) > 0 and split_cert.max_rel_cert > 0
-    torch.testing.assert_close(torch.tensor(b.to_numpy()), torch.tensor(a.to_numpy()), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.tensor(b.to_numpy()), torch.tensor(a.to_numpy()), rtol=rtol, atol=1e-7)
     # every layer's compressed cache lives where that layer runs, never on the meta device of offloaded weights
     for i, layer in enumerate(cache.layers):
         projection = split_model.model.layers[i].self_attn.k_proj
@@ -105,8 +105,9 @@ def test_a_cpu_and_disk_split_gives_the_single_device_answer_and_certificate(sin
 def test_a_gpu_and_cpu_split_gives_the_single_device_answer(single, prompt):
     model, _ = single
     split = kvcert.load_model("smollm2", device_map=_split_map(model, "cuda:0", "cpu"))
-    reference = kvcert.load_model("smollm2", device="cpu")
-    _check_split(reference, split, prompt, {"0", "cpu"} if 0 in split[0].hf_device_map.values() else {"cuda:0", "cpu"})
+    # against the model wholly on the GPU; float32 kernels of two device types: the same greedy tokens,
+    # certificates within rounding
+    _check_split(kvcert.load_model("smollm2", device="cuda"), split, prompt, {"cuda:0", "cpu"}, rtol=1e-3)
 
 
 @pytest.mark.parametrize("fields, message", [
