@@ -3,7 +3,8 @@
 certificate and the oracle keep working, and a bound that leaves no room is refused before anything runs.
 
 The checks of our own bookkeeping run on the tiny random-weight models of ``tests/helpers/tiny_models.py`` (no
-download); the bound under stock generate on the bundled model is marked ``smollm2``.
+download); the bound under stock generate on the bundled model is marked ``smollm2`` (the session's SmolLM2 of
+``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -171,11 +172,6 @@ def test_a_bound_without_room_is_refused_in_one_line_and_the_model_is_untouched(
     assert model.config._attn_implementation == before and not model._forward_pre_hooks
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return kvcert.load_model("smollm2")
-
-
 def _passkey(tokenizer, new_tokens):
     context, question, key = passkey_prompt(n_noise=8, n_needles=1, seed=2)
     ids = kvcert.build_prompt(tokenizer, context, question, " The pass key is", max_new_tokens=new_tokens).prefix_ids
@@ -189,11 +185,11 @@ def test_on_smollm2_stock_generate_stays_under_the_bound_and_is_kvcert_generates
     compressed again several times, and tokens and step table (certificates, oracle errors) are those of
     ``kvcert.generate`` with the same bound."""
     model, tokenizer = smollm2
-    new_tokens, bound = 40, 96
+    new_tokens, bound, interval = 32, 96, 16
     context, question, ids = _passkey(tokenizer, new_tokens)
     assert ids.shape[-1] + new_tokens > 2 * bound
     press = kvcert.press(policy="snapkv", design="poisson", compression_ratio=0.5, seed=3, oracle=True,
-                         max_cache_tokens=bound, compression_interval=16)
+                         max_cache_tokens=bound, compression_interval=interval)
     after_pass = []
 
     def slots(module, args, kwargs, output):
@@ -215,7 +211,7 @@ def test_on_smollm2_stock_generate_stays_under_the_bound_and_is_kvcert_generates
     assert cert.steps["true_err"].notna().all() and cert.max_rel_cert > 0
     result = kvcert.generate(model, tokenizer, context=context, question=question, answer_prefix=" The pass key is",
                              policy="snapkv", design="poisson", budget=0.5, seed=3, oracle=True,
-                             max_new_tokens=new_tokens, max_cache_tokens=bound, compression_interval=16)
+                             max_new_tokens=new_tokens, max_cache_tokens=bound, compression_interval=interval)
     assert result.peak_cache_tokens == cert.peak_cache_tokens
     generated = out[0, ids.shape[-1]:].tolist()
     stop = next((i + 1 for i, t in enumerate(generated) if t in eos_ids(model, tokenizer)), len(generated))
