@@ -18,7 +18,7 @@ from kvcert.designs import DesignOptions
 from kvcert.estimator import hajek_attention
 from kvcert.policies.base import LayerView
 from kvcert.sampling import inclusion_probabilities, minimum_count, poisson_sample, retained_count
-from kvcert.run_schema import ELIDED_AT_DEFAULT, HALF_CAP
+from kvcert.run_schema import DESIGN_ELIDED_AT_DEFAULT, ELIDED_AT_DEFAULT, HALF_CAP
 from kvcert.targets import (CalibratedScale, Target, TargetNotMetWarning, check_target, choose_expected_counts,
                             row_inclusion_probabilities, target_design, window_terms)
 
@@ -380,6 +380,7 @@ def test_a_cell_without_a_target_keeps_its_identity_and_its_config_yaml():
     written = config_yaml(cfg)
     later = tuple(f"{key}:" for key in ELIDED_AT_DEFAULT)  # the keys added after committed cells (targets' among them)
     assert {"target_error:", "target_delta:", "target_floor:"} <= set(later)
+    later += tuple(f"  {key}:" for key in DESIGN_ELIDED_AT_DEFAULT)  # design_options' later keys (the defenses)
     before = "".join(line for line in OmegaConf.to_yaml(cfg, resolve=True).splitlines(keepends=True)
                      if not line.startswith(later))
     assert written == before and "target" not in written

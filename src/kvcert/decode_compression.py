@@ -58,7 +58,7 @@ import torch
 
 from .allocators import LayerBudget
 from .cache import CompressedCache, CompressedLayer
-from .designs import poisson_design, topk_design
+from .designs import poisson_design, topk_design, window_attention_mass
 from .estimator import offset_bias, sampled_slots
 from .policies import LayerView, get_policy
 from .run_schema import DesignOptions
@@ -180,8 +180,10 @@ def thin_head(view: LayerView, log_pi: torch.Tensor, target: int, *, policy, des
         design_fn = poisson_design
     else:
         design_fn = topk_design
+    attended = design == "poisson" and options.head_attention_share > 0  # the defense's window attention
     selection = design_fn(scores, 1.0, options, generator=generator, certain_top_slice=policy.certain_top_slice,
-                          allocation=LayerBudget(int(target)))
+                          allocation=LayerBudget(int(target)),
+                          **({"attention": window_attention_mass(view)} if attended else {}))
     kept = torch.isfinite(selection.log_pi[0, 0])
     return selection.index[0, 0][kept], selection.log_pi[0, 0][kept]
 

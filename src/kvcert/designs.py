@@ -19,11 +19,12 @@ import torch
 from .run_schema import DesignOptions  # the run schema's design_options, defined there once
 from .estimator import sampled_slots
 from .peer_sampling import CLTOptions, DecodeSampler
-from .sampling import certain_mask, inclusion_probabilities, poisson_sample, retained_count
+from .sampling import certain_mask, check_defenses, inclusion_probabilities, poisson_sample, retained_count
 from .seeding import generator_or_seeded_zero
 
 if TYPE_CHECKING:  # designs read an allocation's fields only: kvcert.allocators sits beside them, not below
     from .allocators import LayerBudget
+    from .policies.base import LayerView
 
 # topk_design breaks ties by adding up to TIE_JITTER times the head's largest score, a seeded uniform draw per
 # token: small enough to reorder only (near-)equal scores, large enough to survive float64 rounding.
@@ -51,6 +52,32 @@ class Selection:
     def has_tail(self) -> bool:
         """Whether some retained slot was sampled (π < 1): the design then has a certificate."""
         return bool(sampled_slots(self.log_pi).any())
+
+
+def defended(options: DesignOptions) -> bool:
+    """Whether either defense of the certificate is on (``tail_mix`` or ``head_attention_share`` above 0)."""
+    return options.tail_mix != 0 or options.head_attention_share != 0
+
+
+def check_design_defenses(design: str, options: DesignOptions, who: str = "kvcert") -> None:
+    """One ValueError line for a defense outside [0, 1], or for one that is on with a design other than poisson
+    (top-k has no sampled tail and no π; clt keeps every slot)."""
+    try:
+        check_defenses(options.tail_mix, options.head_attention_share)
+    except ValueError as err:
+        raise ValueError(f"{who}: {err}") from None
+    if design != "poisson" and defended(options):
+        name, value = (("tail_mix", options.tail_mix) if options.tail_mix != 0
+                       else ("head_attention_share", options.head_attention_share))
+        raise ValueError(f"{who}: design_options.{name}={value} applies to design 'poisson' (a sampled tail with "
+                         f"known pi); design {design!r} has none: set it to 0 or use design poisson")
+
+
+def window_attention_mass(view: LayerView) -> torch.Tensor:
+    """(batch, kv_heads, n) float32: the attention the observation window's queries pay each token, averaged over
+    the window's queries and then over the query heads of each KV head (GQA), as SnapKV's scores before their
+    pooling (``LayerView.window_attention``). In streaming the window is the context's last window."""
+    return view.group_mean(view.window_attention().mean(dim=2))
 
 
 def _pack(keep: torch.Tensor, log_pi_full: torch.Tensor) -> Selection:
@@ -84,8 +111,9 @@ def topk_design(scores: torch.Tensor, budget: float, options: DesignOptions, gen
     scores: (batch, kv_heads, n); ties are broken by a seeded random jitter (no generator: one seeded 0).
     allocation: the count per head instead of round(budget·n); pooled: the kv_heads · count highest across the
     layer's heads, each head keeping its certain slots and its top ``allocation.safeguard`` (per-head counts then
-    differ).
+    differ). The defenses (options.tail_mix, head_attention_share) are refused: top-k has no sampled tail.
     """
+    check_design_defenses("topk", options)
     n = scores.shape[-1]
     count = allocation.count if allocation is not None else retained_count(budget, n, options.n_sink, options.n_recent)
     certain = certain_mask(n, options.n_sink, options.n_recent, scores.device).expand_as(scores)
@@ -106,13 +134,17 @@ def topk_design(scores: torch.Tensor, budget: float, options: DesignOptions, gen
 
 
 def poisson_design(scores: torch.Tensor, budget: float, options: DesignOptions, generator=None, certain_top_slice=True,
-                   allocation: LayerBudget | None = None):
+                   allocation: LayerBudget | None = None, *, attention: torch.Tensor | None = None):
     """Certain head with π = 1, Poisson tail with π ∝ score; Σπ = round(budget·n) per KV head.
 
     scores: (batch, kv_heads, n) non-negative importance. allocation: Σπ = allocation.count per head instead;
     pooled: one pool of the layer's heads, Σπ = kv_heads · count over it, each head's certain slots and top
     ``allocation.safeguard`` slots with π = 1, the top slice (head_fraction) and the tail across heads.
+    attention: (batch, kv_heads, n) the window's attention (``window_attention_mass``), needed where
+    options.head_attention_share gives the top slice slots (kvcert.sampling.inclusion_probabilities: the defenses).
     """
+    defenses = {"tail_mix": options.tail_mix, "head_attention_share": options.head_attention_share,
+                "attention": attention} if defended(options) else {}
     n = scores.shape[-1]
     count = allocation.count if allocation is not None else retained_count(budget, n, options.n_sink, options.n_recent)
     head_fraction = options.head_fraction if certain_top_slice else 0.0
@@ -120,8 +152,11 @@ def poisson_design(scores: torch.Tensor, budget: float, options: DesignOptions, 
         b, h = scores.shape[:2]
         certain = certain_mask(n, options.n_sink, options.n_recent, scores.device).expand_as(scores)
         own = _own_slots(scores.to(torch.float64), certain, allocation.safeguard)
+        if defenses.get("attention") is not None:
+            defenses["attention"] = attention.reshape(b, h * n)
         pi = inclusion_probabilities(scores.reshape(b, h * n), h * count, head_fraction=head_fraction,
-                                     pi_min=options.pi_min, certain=own.reshape(b, h * n)).reshape(scores.shape)
+                                     pi_min=options.pi_min, certain=own.reshape(b, h * n),
+                                     **defenses).reshape(scores.shape)
     else:
         pi = inclusion_probabilities(
             scores,
@@ -130,6 +165,7 @@ def poisson_design(scores: torch.Tensor, budget: float, options: DesignOptions, 
             n_recent=options.n_recent,
             head_fraction=head_fraction,
             pi_min=options.pi_min,
+            **defenses,
         )
     keep = poisson_sample(pi.cpu(), generator).to(scores.device)
     return _pack(keep, torch.log(pi))
@@ -145,6 +181,7 @@ def clt_design(scores: torch.Tensor, budget: float, options: DesignOptions, gene
     for each query (vAttention, arXiv 2510.05688; ``kvcert.peer_sampling``): the peers' baseline, which frees no
     memory. scores: (1, kv_heads, n), the proposal; sampler_options: the target (ε, δ) and the sampler's knobs (its
     ``max_fraction`` caps the draws per query at that share of n; None: the budget's share)."""
+    check_design_defenses("clt", options)
     if sampler_options is None:
         raise ValueError(CLT_NEEDS_TARGET)
     if allocation is not None and allocation.pooled:

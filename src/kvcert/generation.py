@@ -24,7 +24,7 @@ from .allocators import LayerBudget, get_allocator
 from .cache import CompressedCache
 from .certificates import CertificateRecorder
 from .context import AttentionContext, Observation
-from .designs import DesignOptions, Selection, clt_design, get_design
+from .designs import DesignOptions, Selection, check_design_defenses, clt_design, get_design, window_attention_mass
 from .estimator import certificate
 from .kernels import attention_path
 from .peer_sampling import CLTOptions
@@ -203,10 +203,13 @@ def select(
     certain_top_slice = get_policy(policy).certain_top_slice
     generator = torch.Generator().manual_seed(int(seed))
     budgets = allocate(state, budget, allocator, allocator_options, options)
+    # options.head_attention_share: the window's attention ranks part of the certain head (kvcert.designs)
+    attended = design == "poisson" and options.head_attention_share > 0
+    masses = [window_attention_mass(view) for view in state.layer_views()] if attended else None
     return [
         design_fn(scores, budget, options, generator=generator, certain_top_slice=certain_top_slice,
-                  allocation=layer_budget)
-        for scores, layer_budget in zip(state.scores(policy), budgets)
+                  allocation=layer_budget, **({"attention": masses[i]} if attended else {}))
+        for i, (scores, layer_budget) in enumerate(zip(state.scores(policy), budgets))
     ]
 
 
@@ -686,7 +689,10 @@ def generate(
     ``max_cache_tokens`` slots while decoding, the cache being compressed again with the same policy and design
     (the certificate with the stages' compound π) whenever the next pass would exceed it, to an expected
     ``max_cache_tokens − compression_interval``; the result's ``peak_cache_tokens`` and ``decode_compressions``
-    say what happened. None (the default): compressed once, after the prefill.
+    say what happened. None (the default): compressed once, after the prefill. options: the design's knobs
+    (``kvcert.DesignOptions``), among them the certificate's two defenses for design poisson, ``tail_mix`` (a
+    uniform share of the tail's π) and ``head_attention_share`` (a share of the certain head given to the tokens
+    the observation window attends to most); both 0 by default.
 
     Defaults serve, not study: no oracle unless ``oracle=True`` (the oracle keeps the full prefix and measures the
     true error), the model as it is (its own dtype and device), and ``max_new_tokens=None`` takes the model's
@@ -704,6 +710,8 @@ def generate(
         decode_bound = check_decode_bound(max_cache_tokens, compression_interval, policy=policy, design=design,
                                           options=options, policy_options=policy_options, who="kvcert.generate")
     target = None if policy == FULL else check_target(design, target_error, target_delta, target_floor)
+    if policy != FULL:  # options.tail_mix / head_attention_share: design poisson only, each in [0, 1]
+        check_design_defenses(design, options, who="kvcert.generate")
     floor = None if target is None else target.floor_at(budget)
     if floor is not None and floor > budget:
         raise ValueError(f"target_floor={floor:g} exceeds the cap budget={budget:g}: the floor must not exceed "

@@ -51,7 +51,7 @@ from .attention import ATTENTION_NAME, padding_mask, register
 from .cache import CompressedCache
 from .context import AttentionContext
 from .decode_compression import DecodeCompressor, check_decode_bound
-from .designs import DESIGNS, DesignOptions
+from .designs import DESIGNS, DesignOptions, check_design_defenses
 from .generation import (RUN, Configuration, PrefillRecording, _footprint, _steps_frame, configuration_selections,
                          decode_batch, decoding_context, eos_ids, generate, item_seed, new_token_limit, prefill)
 from .prompts import build_prompt, model_limit
@@ -184,6 +184,7 @@ class Press:
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"kvcert.press: allocator={self.allocator!r} is unknown; known: {sorted(ALLOCATORS)}")
         get_allocator(self.allocator, **(self.allocator_options or {}))
+        check_design_defenses(self.design, self.options, who="kvcert.press")  # tail_mix, head_attention_share
         target = check_target(self.design, self.target_error, self.target_delta, self.target_floor)
         floor = None if target is None else (target.floor_at(self.budget) if hasattr(target, "floor_at")
                                              else target.floor)

@@ -57,6 +57,15 @@ class DesignOptions:
                                 low=0, high=1, lie_in=True, design_knob=True)
     pi_min: float = knob(1e-3, "floor of a sampled token's inclusion probability", low=0, high=1, low_open=True,
                          lie_in=True, design_knob=True)
+    # The two defenses of the certificate (docs/GLOSSARY.md): added after committed cells, so elided from a cell's
+    # config.yaml and identity while 0 (``elide_defaults``); design poisson only.
+    tail_mix: float = knob(0.0, "defensive tail: share lambda of a uniform tail mixed into the scorer's tail pi at the "
+                           "same expected count (every tail pi >= lambda * tail count / tail size); design poisson",
+                           low=0, high=1, lie_in=True, design_knob=True, elided_at_default=True)
+    head_attention_share: float = knob(0.0, "attention-aware certain head: share eta of the certain top slice given to "
+                                       "the tokens the observation window's queries attend to most, the rest by "
+                                       "score; design poisson", low=0, high=1, lie_in=True, design_knob=True,
+                                       elided_at_default=True)
 
 
 @dataclass
@@ -183,6 +192,8 @@ ELIDED_AT_DEFAULT = tuple(f.name for f in dataclasses.fields(RunConfig) if f.met
 # What a config without one of those keys ran with: its default, or its ``absent_means`` where the default changed.
 ABSENT_MEANS = {f.name: f.metadata.get("absent_means", getattr(RUN, f.name)) for f in dataclasses.fields(RunConfig)
                 if f.name in ELIDED_AT_DEFAULT}
+# design_options' keys elided likewise (the defenses: kvcert.sampling), each while it holds its default.
+DESIGN_ELIDED_AT_DEFAULT = tuple(f.name for f in dataclasses.fields(DesignOptions) if f.metadata.get("elided_at_default"))
 _NEEDS = {f.name: f.metadata["needs"] for f in dataclasses.fields(RunConfig) if f.metadata.get("needs")}
 
 
@@ -194,7 +205,12 @@ def elide_defaults(config: dict[str, Any]) -> dict[str, Any]:
             return False
         return v == ABSENT_MEANS[k] or (k in _NEEDS and config.get(_NEEDS[k]) is None and v == getattr(RUN, k))
 
-    return {k: v for k, v in config.items() if not elided(k, v)}
+    out = {k: v for k, v in config.items() if not elided(k, v)}
+    nested = out.get("design_options")
+    if isinstance(nested, dict) and any(k in nested for k in DESIGN_ELIDED_AT_DEFAULT):
+        out["design_options"] = {k: v for k, v in nested.items()
+                                 if not (k in DESIGN_ELIDED_AT_DEFAULT and v == getattr(DESIGN, k))}
+    return out
 
 
 # kvcert.estimator and kvcert.calibration.apply import these two names; the values are the schema's.
@@ -232,7 +248,7 @@ def _yaml(value: Any) -> str:
 
 
 __all__ = [
-    "ABSENT_MEANS", "CALIBRATE_KEYS", "DELTA", "DESIGN", "DESIGN_KNOBS", "ELIDED_AT_DEFAULT", "FLOOR_SHARE_OF_CAP",
+    "ABSENT_MEANS", "CALIBRATE_KEYS", "DELTA", "DESIGN", "DESIGN_ELIDED_AT_DEFAULT", "DESIGN_KNOBS", "ELIDED_AT_DEFAULT", "FLOOR_SHARE_OF_CAP",
     "HALF_CAP", "IDENTITY_KEYS", "KEYS", "MISSING", "OBSERVATION_WINDOW", "RUN",
     "CalibrateConfig", "DesignOptions", "GridKnobs", "RunConfig", "elide_defaults", "knob", "yaml_lines",
 ]

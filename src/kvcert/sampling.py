@@ -74,6 +74,9 @@ def inclusion_probabilities(
     head_fraction: float = DESIGN.head_fraction,
     pi_min: float = DESIGN.pi_min,
     certain: torch.Tensor | None = None,
+    tail_mix: float = DESIGN.tail_mix,
+    head_attention_share: float = DESIGN.head_attention_share,
+    attention: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Inclusion probabilities π for the randomized design.
 
@@ -86,6 +89,14 @@ def inclusion_probabilities(
     uniform at share/|tail|. expected_count >= n gives all ones. Returns (..., n) float32 in (0, 1].
     certain: (..., n) bool, the slots kept with π = 1 instead of the sinks and recent window (an allocator's
     pool: kvcert.allocators), the same number in every row; the expected count is then raised to it.
+
+    The two defenses of the certificate (both 0: the design above):
+    tail_mix (λ in [0, 1]): the tail's π become (1 − λ)·π + λ·m_tail/|tail|, m_tail the tail's expected count, so
+    Σπ and the head are unchanged and every tail π >= λ·m_tail/|tail| (both terms are at most 1, so is the mix).
+    head_attention_share (η in [0, 1]) with attention ((..., n), the observation window's attention per token and
+    row, larger = attended more: ``kvcert.designs.window_attention_mass``): of the top slice's n_top slots,
+    floor(η·n_top) go to the non-certain tokens attended most (ties by position), the rest to the highest scores
+    among the tokens not chosen yet; the slice keeps its count.
     """
     if scores.ndim == 0:
         raise ValueError("scores must have at least one dimension (..., n)")
@@ -95,6 +106,7 @@ def inclusion_probabilities(
         raise ValueError(f"head_fraction={head_fraction} must lie in [0, 1]")
     if not 0.0 < pi_min <= 1.0:
         raise ValueError(f"pi_min={pi_min} must lie in (0, 1]")
+    check_defenses(tail_mix, head_attention_share)
     n = scores.shape[-1]
     if certain is None:
         floor = minimum_count(n, n_sink, n_recent)
@@ -117,11 +129,22 @@ def inclusion_probabilities(
         certain = certain.reshape(rows, n)
     n_certain = int(certain[0].sum())
     n_top = int(head_fraction * (count - n_certain))
+    n_attended = int(head_attention_share * n_top)
     # Top slice by score among the non-certain tokens (ties broken by position, deterministically).
     ranked = torch.where(certain, torch.full_like(flat, float("-inf")), flat)
     top = torch.zeros_like(certain)
-    if n_top > 0:
-        idx = torch.topk(ranked, n_top, dim=-1, sorted=False).indices
+    if n_attended > 0:  # the attention's share first, then the scores' among the tokens not chosen yet
+        if attention is None or attention.shape != scores.shape:
+            raise ValueError(f"head_attention_share={head_attention_share} needs the window's attention of the "
+                             f"scores' shape {tuple(scores.shape)}; got "
+                             f"{None if attention is None else tuple(attention.shape)}")
+        attended = torch.where(certain, torch.full_like(flat, float("-inf")),
+                               attention.reshape(rows, n).to(torch.float64))
+        idx = torch.argsort(-attended, dim=-1, stable=True)[:, :n_attended]
+        top.scatter_(-1, idx, True)
+        ranked = torch.where(top, torch.full_like(ranked, float("-inf")), ranked)
+    if n_top - n_attended > 0:
+        idx = torch.topk(ranked, n_top - n_attended, dim=-1, sorted=False).indices
         top.scatter_(-1, idx, True)
     head = certain | top
     tail = ~head
@@ -131,8 +154,27 @@ def inclusion_probabilities(
         pi_tail = torch.where(tail, target.unsqueeze(-1) / n_tail, torch.zeros_like(flat))
     else:
         pi_tail = _water_fill(flat, tail, target, pi_min)
+    if tail_mix > 0:
+        pi_tail = mix_tail(pi_tail, tail, target / n_tail, tail_mix)
     pi = torch.where(head, torch.ones_like(flat), pi_tail)
     return pi.to(torch.float32).reshape(scores.shape)
+
+
+def check_defenses(tail_mix: float, head_attention_share: float) -> None:
+    """One ValueError line for a defense outside [0, 1] (``design_options.tail_mix`` / ``head_attention_share``)."""
+    for name, value in (("tail_mix", tail_mix), ("head_attention_share", head_attention_share)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"design_options.{name}={value!r} must lie in [0, 1]")
+
+
+def mix_tail(pi_tail: torch.Tensor, tail: torch.Tensor, uniform: torch.Tensor, tail_mix: float) -> torch.Tensor:
+    """The defensive tail: (1 − λ)·π + λ·u on the tail, 0 elsewhere.
+
+    pi_tail: (R, n) float64, the tail's π (0 off it); tail: (R, n) bool; uniform: (R,) float64, the tail's
+    expected count over its size; tail_mix: λ in [0, 1]. Returns (R, n) float64 with the same row sums over the tail.
+    """
+    mixed = (1.0 - tail_mix) * pi_tail + tail_mix * uniform.unsqueeze(-1)
+    return torch.where(tail, mixed, torch.zeros_like(mixed))
 
 
 def poisson_sample(pi: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -47,6 +47,9 @@ ALLOCATOR_ITEM_COLUMNS = ["allocator", "kept_bytes"]
 # table without them as the defaults.
 ALLOCATOR_STEP_COLUMNS = ["allocator"]
 SHARE_COLUMNS = ["head_fraction"]
+# Likewise the certificate's defenses (design_options.tail_mix, head_attention_share; kvcert.sampling), each added
+# only where the cell sets it above 0: a row without the column ran without that defense.
+DEFENSE_COLUMNS = ["tail_mix", "head_attention_share"]
 
 # ``decisions.parquet`` (kvcert.runner.decisions): one row per item × configuration, what decided its answer: the
 # decode margin (smallest gap, over the generated steps, between the chosen token's logit and the runner-up's; its
@@ -62,6 +65,6 @@ DECISION_FLOAT32 = ["decode_margin", "decided_logit"]
 DECISION_INT32 = ["decode_margin_step", "decided_token", "runner_up_token"]
 
 __all__ = [
-    "ALLOCATOR_ITEM_COLUMNS", "DECISION_COLUMNS", "DECISION_FLOAT32", "DECISION_INT32", "ALLOCATOR_STEP_COLUMNS", "SHARE_COLUMNS", "CALIBRATED_ITEM_COLUMNS", "CALIBRATED_STEP_COLUMNS", "ITEM_COLUMNS", "KEY_COLUMNS", "STEP_COLUMNS",
+    "ALLOCATOR_ITEM_COLUMNS", "DECISION_COLUMNS", "DECISION_FLOAT32", "DECISION_INT32", "ALLOCATOR_STEP_COLUMNS", "DEFENSE_COLUMNS", "SHARE_COLUMNS", "CALIBRATED_ITEM_COLUMNS", "CALIBRATED_STEP_COLUMNS", "ITEM_COLUMNS", "KEY_COLUMNS", "STEP_COLUMNS",
     "STEP_FLOAT32", "STEP_INT32",
 ]

@@ -35,10 +35,10 @@ import torch
 from .calibration import DESIGN as DESIGN_CORRECTION
 from .calibration import ROUNDING, Calibration
 from .run_schema import DELTA, FLOOR_SHARE_OF_CAP, HALF_CAP
-from .designs import CLT_NEEDS_TARGET, TARGET_DESIGNS, DesignOptions, Selection, _pack
+from .designs import CLT_NEEDS_TARGET, TARGET_DESIGNS, DesignOptions, Selection, _pack, window_attention_mass
 from .estimator import compute_dtype
 from .policies.base import LayerView
-from .sampling import certain_mask, minimum_count, poisson_sample, retained_count
+from .sampling import certain_mask, minimum_count, mix_tail, poisson_sample, retained_count
 
 WINDOW_RULE_DEFAULT = 1.0  # the maximum over the window's queries
 
@@ -278,13 +278,18 @@ def _ranking(flat: torch.Tensor, certain: torch.Tensor) -> _Ranking:
 
 
 def row_inclusion_probabilities(scores: torch.Tensor, counts: torch.Tensor, options: DesignOptions,
-                                certain_top_slice: bool = True, ranking: _Ranking | None = None) -> torch.Tensor:
+                                certain_top_slice: bool = True, ranking: _Ranking | None = None,
+                                attention: torch.Tensor | None = None,
+                                attention_ranking: _Ranking | None = None) -> torch.Tensor:
     """``kvcert.sampling.inclusion_probabilities`` with one expected count per row.
 
     scores: (..., n) importance; counts: (...) integer expected counts (raised to sinks + recent window);
     ranking: the rows' ``_ranking`` when already computed (it does not depend on the counts).
+    The defenses of ``options`` as there: ``tail_mix`` mixes the tail with a uniform share; ``head_attention_share``
+    gives floor(η·n_top) of each row's top slice to the tokens ``attention`` ((..., n), the window's attention)
+    ranks highest, the rest to the highest scores not chosen yet (attention_ranking: its ``_ranking``, if computed).
     Returns (..., n) float64 π: for every row, what inclusion_probabilities(row, count) gives (the top slice's
-    ties are broken by position). tests/test_targets.py checks the two agree row by row.
+    ties are broken by position). tests/test_targets.py and tests/test_defenses.py check the two agree row by row.
     """
     n = scores.shape[-1]
     head_fraction = options.head_fraction if certain_top_slice else 0.0
@@ -295,16 +300,34 @@ def row_inclusion_probabilities(scores: torch.Tensor, counts: torch.Tensor, opti
     ranking = ranking if ranking is not None else _ranking(flat, certain)
     n_certain = n - ranking.free
     n_top = torch.floor(head_fraction * (count - n_certain)).clamp_min(0)  # int() of a non-negative number
-    head = certain | (ranking.rank < n_top.unsqueeze(-1))
+    n_attended = torch.floor(options.head_attention_share * n_top)
+    if bool((n_attended > 0).any()):  # the attention's share of the slice first, then the scores' skipping those
+        if attention is None:
+            raise ValueError(f"head_attention_share={options.head_attention_share} needs the window's attention")
+        if attention_ranking is None:
+            attention_ranking = _ranking(attention.reshape(rows, n).to(torch.float64), certain)
+        attended = attention_ranking.rank < n_attended.unsqueeze(-1)
+        # each token's place in the score order among the tokens the attention did not choose
+        in_order = torch.zeros((rows, n + 1), dtype=torch.long, device=scores.device)
+        in_order.scatter_(-1, ranking.rank, attended.long())  # certain tokens (rank n) land in the spare column
+        before = (in_order.cumsum(-1) - in_order).gather(-1, ranking.rank)
+        by_score = ~attended & (ranking.rank - before < (n_top - n_attended).unsqueeze(-1))
+        head = certain | attended | by_score
+        ascending = None  # the tail is no longer the scores' bottom: exact_water_fill sorts it
+    else:
+        head = certain | (ranking.rank < n_top.unsqueeze(-1))
+        # the tail's sorted scores: the non-certain ones without the top slice, i.e. without the largest n_top
+        kept = torch.arange(n, device=scores.device) < (ranking.free - n_top).unsqueeze(-1)
+        ascending = torch.where(kept, ranking.ascending, torch.full_like(flat, float("inf")))
     tail = ~head
-    # the tail's sorted scores: the non-certain ones without the top slice, i.e. without the largest n_top
-    kept = torch.arange(n, device=scores.device) < (ranking.free - n_top).unsqueeze(-1)
-    ascending = torch.where(kept, ranking.ascending, torch.full_like(flat, float("inf")))
     n_tail = (n - n_certain - n_top).clamp_min(1.0)
     share = count - n_certain - n_top
     uniform = (options.pi_min * n_tail >= share).unsqueeze(-1)
     filled = exact_water_fill(flat, tail, share, options.pi_min, ascending)
     pi_tail = torch.where(uniform, (share / n_tail).unsqueeze(-1).expand(rows, n), filled)
+    if options.tail_mix > 0:
+        pi_tail = mix_tail(torch.where(tail, pi_tail, torch.zeros_like(pi_tail)), tail, share / n_tail,
+                           options.tail_mix)
     pi = torch.where(head, torch.ones_like(flat), torch.where(tail, pi_tail, torch.zeros_like(flat)))
     pi = torch.where((count >= n).unsqueeze(-1), torch.ones_like(pi), pi)
     return pi.reshape(scores.shape)
@@ -313,13 +336,16 @@ def row_inclusion_probabilities(scores: torch.Tensor, counts: torch.Tensor, opti
 def choose_expected_counts(view: LayerView, scores: torch.Tensor, target: Target, budget: float,
                            options: DesignOptions = DesignOptions(), certain_top_slice: bool = True,
                            calibration: CalibratedScale | None = None,
-                           terms: WindowTerms | None = None, check: bool = True) -> TargetChoice:
+                           terms: WindowTerms | None = None, check: bool = True,
+                           attention: torch.Tensor | None = None) -> TargetChoice:
     """The smallest expected count per (batch, kv_head) whose predicted certificate meets the target.
 
     view: the layer's prefill state (keys/values (batch, kv_heads, n, d), window queries (batch, q_heads, w, d));
     scores: (batch, kv_heads, n) the policy's importance; budget: the cap, a fraction in (0, 1];
     calibration: the layer's calibrated certificate, checked against the target instead of ε̂_rel; terms: the
-    layer's window_terms when already computed (check=False: rows of several layers stacked, view only typed).
+    layer's window_terms when already computed (check=False: rows of several layers stacked, view only typed);
+    attention: (batch, kv_heads, n) the window's attention where options.head_attention_share > 0 (None: the
+    view's, ``kvcert.designs.window_attention_mass``).
     Bisection over integer counts in [sinks + recent window, retained_count(budget, n)] (the prediction is
     non-increasing in the count: see the module's docstring), the lower end raised to retained_count(floor, n)
     when the target has a floor (``Target.floor_at(budget)``; half the cap by default).
@@ -339,10 +365,16 @@ def choose_expected_counts(view: LayerView, scores: torch.Tensor, target: Target
     shape = scores.shape[:-1]
 
     flat = scores.reshape(-1, n).to(torch.float64)
-    ranking = _ranking(flat, certain_mask(n, options.n_sink, options.n_recent, scores.device).expand_as(flat))
+    certain = certain_mask(n, options.n_sink, options.n_recent, scores.device).expand_as(flat)
+    ranking = _ranking(flat, certain)
+    attention_ranking = None
+    if options.head_attention_share > 0:
+        attention = attention if attention is not None else window_attention_mass(view)
+        attention_ranking = _ranking(attention.reshape(-1, n).to(torch.float64), certain)
 
     def predict(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pi = row_inclusion_probabilities(scores, counts, options, certain_top_slice, ranking)
+        pi = row_inclusion_probabilities(scores, counts, options, certain_top_slice, ranking, attention,
+                                         attention_ranking)
         return pi, predicted_relative_certificate(terms, pi, target, calibration)
 
     lo = torch.full(shape, low, dtype=torch.long, device=scores.device)
@@ -447,8 +479,10 @@ def _choose_all_layers(views, scores, target, budget, options, certain_top_slice
                                            dtype=torch.float64, device=scores[0].device).view(-1, 1, 1)
         calibration = _RowScales(column("factor"), column("cert_weight"), column("norm_weight"),
                                  column("never_below_paper").bool(), column("floor"))
+    attention = (torch.cat([window_attention_mass(view) for view in views])
+                 if options.head_attention_share > 0 else None)
     choice = choose_expected_counts(views[0], torch.cat(scores), target, budget, options, certain_top_slice,
-                                    calibration, stacked, check=False)
+                                    calibration, stacked, check=False, attention=attention)
     return [TargetChoice(choice.expected_count[i * batch:(i + 1) * batch], choice.cap_count, choice.n,
                          choice.pi[i * batch:(i + 1) * batch], choice.predicted[i * batch:(i + 1) * batch],
                          choice.met[i * batch:(i + 1) * batch]) for i in range(len(views))]

@@ -15,7 +15,7 @@ from typing import Iterable, Mapping
 
 from ..atomic import write_json_atomic
 from ..errors import CalibrationError
-from .knobs import KNOBS, knob_label
+from .knobs import KNOBS, absent_knob, knob_label
 
 FORMAT = "kvcert-calibration"
 VERSION = 1
@@ -137,7 +137,7 @@ class Calibration:
     def check_design(self, knobs: Mapping) -> None:
         """Refuse knobs that change π or ε̂ (one line naming the first differing knob)."""
         for name in KNOBS:
-            mine, theirs = self.design.get(name), knobs.get(name)
+            mine, theirs = self.design.get(name, absent_knob(name)), knobs.get(name, absent_knob(name))
             same = (math.isclose(float(mine), float(theirs), rel_tol=1e-9, abs_tol=0.0)
                     if isinstance(mine, (int, float)) and isinstance(theirs, (int, float)) else mine == theirs)
             if not same:

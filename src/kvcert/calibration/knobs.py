@@ -11,9 +11,10 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-from ..run_schema import DESIGN_KNOBS, RUN, DesignOptions
+from ..run_schema import DESIGN_ELIDED_AT_DEFAULT, DESIGN_KNOBS, RUN, DesignOptions
 
 KNOBS = DESIGN_KNOBS
+ELIDED = DESIGN_ELIDED_AT_DEFAULT
 # Knobs that live under ``design_options`` in a run configuration; the rest are top-level keys.
 _DESIGN_OPTIONS = tuple(f.name for f in dataclasses.fields(DesignOptions))
 
@@ -27,7 +28,16 @@ def design_knobs(options: DesignOptions = DesignOptions(), *, delta: float = RUN
               "policy_options": json.loads(json.dumps(dict(policy_options or {}), sort_keys=True))}
     kinds = {f.name: type(f.default) for f in (*dataclasses.fields(DesignOptions), *dataclasses.fields(RUN))
              if isinstance(f.default, (int, float)) and not isinstance(f.default, bool)}
-    return {name: kinds[name](values[name]) if name in kinds else values[name] for name in KNOBS}
+    knobs = {name: kinds[name](values[name]) if name in kinds else values[name] for name in KNOBS}
+    # a knob added after committed files (the defenses) is recorded only away from its default: a file fitted at
+    # it is written as before, and a file without it was fitted at it (``absent_knob``)
+    return {name: value for name, value in knobs.items() if not (name in ELIDED and value == absent_knob(name))}
+
+
+def absent_knob(name: str) -> Any:
+    """The value of a knob that a file (or a run's knobs) does not record: the default of one recorded only away
+    from it (ELIDED), else None."""
+    return getattr(RUN.design_options, name) if name in ELIDED else None
 
 
 def knob_label(name: str) -> str:

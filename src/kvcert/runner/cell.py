@@ -33,7 +33,8 @@ from ..policies import prefill_needs
 from ..prompts import PromptIds, build_prompt, has_chat_template, model_limit
 from ..provenance import code_fingerprint, sha256_file, short
 from ..sampling import recording_draws
-from ..table_columns import ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS, KEY_COLUMNS, SHARE_COLUMNS
+from ..table_columns import (ALLOCATOR_ITEM_COLUMNS, CALIBRATED_ITEM_COLUMNS, DEFENSE_COLUMNS, KEY_COLUMNS,
+                             SHARE_COLUMNS)
 from ..targets import CHOICE_COLUMNS
 from .config import CellConfig, Configuration, plain_config, validate
 from .decisions import LogitTops, decision_frame, draw_record, split_draws
@@ -114,8 +115,11 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
     allocated = cell.allocator != RUN.allocator
     shared = cell.options.head_fraction != RUN.design_options.head_fraction
     # a default cell's tables stay as they were before allocators and certain-head shares were factors
+    # the certificate's defenses (design_options.tail_mix, head_attention_share): a column each while not 0
+    defenses = [name for name in DEFENSE_COLUMNS if getattr(cell.options, name) != getattr(RUN.design_options, name)]
     configuration = {**({"allocator": cell.allocator} if allocated else {}),
-                     **({"head_fraction": float(cell.options.head_fraction)} if shared else {})}
+                     **({"head_fraction": float(cell.options.head_fraction)} if shared else {}),
+                     **{name: float(getattr(cell.options, name)) for name in defenses}}
     rows, steps = [], []
     tops = LogitTops(model)
     # without a suffix the first token is chosen from the prefill's last logits, with no pass of the decode
@@ -166,7 +170,7 @@ def run_item(model, tokenizer, item: Item, prompt: PromptIds, cell: CellConfig, 
                 steps.append(stored.assign(**configuration) if configuration else stored)
     step_frame = pd.concat(steps, ignore_index=True) if steps else empty_step_table()
     columns = (ITEM_COLUMNS + (CALIBRATED_ITEM_COLUMNS if cell.calibration is not None else [])
-               + (ALLOCATOR_ITEM_COLUMNS if allocated else []) + (SHARE_COLUMNS if shared else []))
+               + (ALLOCATOR_ITEM_COLUMNS if allocated else []) + (SHARE_COLUMNS if shared else []) + defenses)
     return pd.DataFrame(rows)[columns], step_frame
 
 

@@ -13,7 +13,7 @@ from .. import run_schema as schema
 from ..allocators import ALLOCATORS
 from ..calibration import BASES, UNITS, load_calibration
 from ..data import SHARD_BY
-from ..designs import DESIGNS, RANDOM_DESIGNS
+from ..designs import DESIGNS, RANDOM_DESIGNS, check_design_defenses
 from ..errors import ConfigError
 from ..generation import FULL, Configuration  # a cell's configurations are the library's
 from ..policies import POLICIES
@@ -314,7 +314,18 @@ def validate(cfg: Mapping[str, Any]) -> CellConfig:
     checked["calibration"] = load_calibration(plain.get("calibration"))
     cell = CellConfig(**checked)
     _check_target(cell)
+    _check_defenses(cell)
     return cell
+
+
+def _check_defenses(cell: CellConfig) -> None:
+    """The certificate's defenses (design_options.tail_mix, head_attention_share) apply to design poisson: a grid
+    with another design is refused while either is on (kvcert.designs.check_design_defenses)."""
+    try:
+        for design in sorted({d for grid in cell.grids for d in grid.designs}):
+            check_design_defenses(design, cell.options, who="designs")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_target(cell: CellConfig) -> None:
