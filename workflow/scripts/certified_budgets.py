@@ -62,11 +62,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from kvcert.analysis.accuracy import accuracy_points  # noqa: E402
+from kvcert.analysis.data import load_cells  # noqa: E402
 from kvcert.analysis.figures import save_figure  # noqa: E402
+from kvcert.analysis.stats import auc  # noqa: E402
 from kvcert.atomic import write_text_atomic  # noqa: E402
 from kvcert.run_schema import FLOOR_SHARE_OF_CAP, HALF_CAP  # noqa: E402
 
 KEYS = ["item_id", "policy", "design", "budget", "seed", "setting"]
+# The columns read of each cell table (kvcert.analysis.data.load_cells checks them; a target cell writes targets)
+READS = {"items": [*KEYS, "correct", "retained_tokens", "context_tokens", "full_bytes"],
+         "steps": [*KEYS, "step", "layer", "kv_head", "true_err", "out_norm"],
+         "targets": [*KEYS, "layer", "kv_head", "expected_count", "context_tokens", "met"]}
 SUMMARY_COLUMNS = ["model", "configuration", "variant", "allocator", "design", "budget", "target_error", "n_items",
                    "accuracy", "kept_fraction", "kept_bytes", "kept_bytes_fraction", "n_step_rows",
                    "rel_err_median", "rel_err_p95"]
@@ -110,16 +117,6 @@ def configuration_name(variant: str, design: str, budget: float, target_error, t
     return f"{variant.split('_')[0] if variant.startswith('target') else variant} {design} {budget:g}"
 
 
-def _read(dirs: list[str], name: str) -> pd.DataFrame:
-    frames = []
-    for d in dirs:
-        path = Path(d) / name
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: missing (a target cell writes targets.parquet beside items.parquet)")
-        frames.append(pd.read_parquet(path))
-    return pd.concat(frames, ignore_index=True)
-
-
 def load(cells: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """(items, steps, choices) of every cell, each row tagged with model, variant, target_error, configuration.
 
@@ -129,8 +126,8 @@ def load(cells: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """
     items, steps, choices, full_seen = [], [], [], set()
 
-    def read(spec, name, tags):
-        frame = _read(spec["dirs"], name).assign(**tags)
+    def read(spec, table, tags):
+        frame = load_cells(spec["dirs"], table, READS[table]).assign(**tags)
         if spec.get("target_floor") == HALF_CAP:  # the default floor, per configuration: half its cap
             frame["target_floor"] = FLOOR_SHARE_OF_CAP * frame["budget"].astype(float)
         return frame
@@ -140,7 +137,7 @@ def load(cells: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
         tags = {"model": spec["model"], "variant": spec["variant"],
                 "target_error": np.nan if target is None else float(target),
                 "target_floor": np.nan if floor in (None, HALF_CAP) else float(floor)}
-        cell_items = read(spec, "items.parquet", tags)
+        cell_items = read(spec, "items", tags)
         if spec["model"] in full_seen:
             cell_items = cell_items[cell_items["policy"] != "full"].copy()
         full_seen.add(spec["model"])
@@ -151,9 +148,9 @@ def load(cells: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
             cell_items["allocator"] = "uniform"
         cell_items["allocator"] = cell_items["allocator"].fillna("uniform")
         items.append(cell_items)
-        steps.append(read(spec, "steps.parquet", tags))
+        steps.append(read(spec, "steps", tags))
         if target is not None:
-            choices.append(read(spec, "targets.parquet", tags))
+            choices.append(read(spec, "targets", tags))
     out = [pd.concat(f, ignore_index=True) if f else pd.DataFrame() for f in (items, steps, choices)]
     for frame in out:
         if len(frame):
@@ -182,7 +179,7 @@ def summary_table(items: pd.DataFrame, steps: pd.DataFrame, epsilons: list[float
         s = steps[(steps["model"] == model) & (steps["configuration"] == configuration)]
         row = {"model": model, "configuration": configuration, "variant": first["variant"],
                "allocator": first["allocator"], "design": "full" if first["policy"] == "full" else first["design"], "budget": float(first["budget"]), "target_error": first["target_error"],
-               "n_items": int(g["item_id"].nunique()), "accuracy": 100 * g.groupby("item_id")["correct"].mean().mean(),
+               "n_items": int(g["item_id"].nunique()), "accuracy": accuracy_points(g),
                "kept_fraction": g["kept_fraction"].mean(), "kept_bytes": g["kept"].mean(),
                "kept_bytes_fraction": g["kept_bytes_fraction"].mean(), "n_step_rows": int(len(s)),
                "rel_err_median": float(s["err_stored"].median()) if len(s) else np.nan,
@@ -329,8 +326,6 @@ def certificate_items(items: pd.DataFrame, steps: pd.DataFrame, epsilons: list[f
     """Per model, configuration with a certificate and ε (as certificate_flags): whether an item's share of
     flagged decode rows (``rel_cert`` > ε) or of rows certainly above ε tells a wrong answer from a right one
     (ITEM_COLUMNS; the module docstring). An item is wrong where its ``correct`` is false."""
-    from sklearn.metrics import roc_auc_score
-
     s = _certified(steps)
     rows = []
     for (model, configuration), c in s.groupby(["model", "configuration"], sort=False):
@@ -351,8 +346,8 @@ def certificate_items(items: pd.DataFrame, steps: pd.DataFrame, epsilons: list[f
                          "flagged_wrong": float(mean.loc[True, "flag"]),
                          "above_right": float(mean.loc[False, "above"]),
                          "above_wrong": float(mean.loc[True, "above"]),
-                         "auc_flagged": float(roc_auc_score(wrong, shares["flag"])) if both else np.nan,
-                         "auc_above": float(roc_auc_score(wrong, shares["above"])) if both else np.nan})
+                         "auc_flagged": float(auc(shares["flag"], wrong)) if both else np.nan,
+                         "auc_above": float(auc(shares["above"], wrong)) if both else np.nan})
     return pd.DataFrame(rows, columns=ITEM_COLUMNS)
 
 

@@ -34,6 +34,15 @@ SHARE = "head_fraction"
 SAMPLED_DESIGN = "poisson"
 
 
+def accuracy_points(items: pd.DataFrame) -> float:
+    """Accuracy in points (0-100, unrounded) of one configuration's items rows: per item (``data.unit_columns``),
+    the mean correctness over its rows (Poisson seeds), then the mean over items; NaN without rows."""
+    if not len(items):
+        return float("nan")
+    per_item = items.groupby(data.unit_columns(items))["correct"].apply(lambda s: s.astype(float).mean())
+    return 100 * float(per_item.mean())
+
+
 def accuracy_table(items: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, task, setting, policy[, allocator], design[, head_fraction], budget) of an items table."""
     columns = list(COLUMNS)
@@ -47,9 +56,8 @@ def accuracy_table(items: pd.DataFrame) -> pd.DataFrame:
     keys = [c for c in ("model", "task") if c in items.columns] + columns[columns.index("setting"):-2]
     rows = []
     for values, group in items.groupby(keys, sort=True):
-        per_item = group.groupby(data.unit_columns(group))["correct"].apply(lambda s: s.astype(float).mean())
-        rows.append({**dict(zip(keys, values)), "accuracy": round(100 * float(per_item.mean()), 4),
-                     "n": int(len(per_item))})
+        rows.append({**dict(zip(keys, values)), "accuracy": round(accuracy_points(group), 4),
+                     "n": int(group.groupby(data.unit_columns(group)).ngroups)})
     return pd.DataFrame(rows).reindex(columns=columns)
 
 
