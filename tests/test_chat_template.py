@@ -346,8 +346,8 @@ def test_smollm2_on_frames_its_chatml_turns_and_splits_at_the_context_end(smollm
 
 
 @pytest.mark.smollm2
-def test_smollm2_generate_with_the_option_answers_in_its_assistant_turn():
-    model, tok = kvcert.load_model("smollm2")
+def test_smollm2_generate_with_the_option_answers_in_its_assistant_turn(smollm2):
+    model, tok = smollm2
     context = "The hall was booked on Tuesday, so the meeting moved to Thursday."
     kwargs = dict(context=context, question="\nWhen is the meeting?", answer_prefix=" The meeting is on",
                   policy="full", certify=False, oracle=False, max_new_tokens=4, setting="streaming")

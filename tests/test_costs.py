@@ -91,19 +91,22 @@ def test_costs_grow_as_they_should():
     assert t["total"] == pytest.approx(t["prefill"] + t["decode"])
 
 
-def test_plan_prints_jobs_memory_and_gpu_hours_for_the_paper_scale():
-    proc = subprocess.run([sys.executable, "-m", "kvcert.plan", "scale=paper", "--root", str(ROOT)], env=ENV,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = proc.stdout
+def test_plan_prints_jobs_memory_and_gpu_hours_for_the_paper_scale(scale_dag, monkeypatch, capsys):
+    from kvcert import plan as plan_module
+
+    # kvcert-plan in this process, its jobs from the session's dry run of the paper scale (tests/conftest.py; the
+    # same kvcert.plan.plan_jobs, built once for every test that reads that DAG).
+    monkeypatch.setattr(plan_module, "plan_jobs", lambda name, root: scale_dag(name))
+    assert plan_module.main(["scale=paper", "--root", str(ROOT)]) == 0
+    out = capsys.readouterr().out
     assert "jobs per rule: cell 160" in out  # study paper's 18 cells x 8 shards, the leaderboard's 4 x 4
     for cell in ("paper/qwen7b-longbench16k-streaming", "paper/llama8b-ruler-question_aware",
                  "paper/mistral7b-longbench6k-streaming", "leaderboard/query_agnostic", "leaderboard/query_aware_adakv"):
         assert cell in out
     assert "model qwen3_8b: 8.19B parameters, 36 layers, 32 query / 8 KV heads of 128" in out
     assert "H200-141GB" in out and "GPU-hours" in out and "about 70 GPU-hours" in out
-    plan = json.loads(subprocess.run([sys.executable, "-m", "kvcert.plan", "scale=paper", "--root", str(ROOT),
-                                      "--json"], env=ENV, capture_output=True, text=True, timeout=600).stdout)
+    assert plan_module.main(["scale=paper", "--root", str(ROOT), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
     assert len(plan["cells"]) == 22 and plan["jobs"]["cell"] == 160
     assert all(c["fits_gb"]["141"] for c in plan["cells"])
     assert 0 < plan["gpu_hours"]["H200-141GB"] < plan["gpu_hours"]["A100-40GB"]

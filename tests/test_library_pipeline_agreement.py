@@ -20,7 +20,7 @@ CONFIGURATIONS = [("full", "full", 1.0, 0), ("snapkv", "topk", 0.5, 0), ("snapkv
 
 
 @pytest.mark.parametrize("setting, limit", [("streaming", None), ("question_aware", 300)])
-def test_generate_returns_the_prediction_kvcert_run_records(tmp_path, setting, limit, capsys):
+def test_generate_returns_the_prediction_kvcert_run_records(tmp_path, setting, limit, capsys, smollm2):
     context, question, answer = passkey_prompt(n_noise=14, n_needles=2, seed=5)
     question, prefix = question.split("?")[0] + "?", question.split("?")[1]
     record = {"id": "agreement/0", "context": context, "question": question, "answer_prefix": prefix,
@@ -35,7 +35,7 @@ def test_generate_returns_the_prediction_kvcert_run_records(tmp_path, setting, l
     assert cli.main(argv) == 0, capsys.readouterr().err[-3000:]
     items = pd.read_parquet(out / "items.parquet").set_index(["policy", "design", "budget", "seed"])
 
-    model, tokenizer = kvcert.load_model("smollm2")
+    model, tokenizer = smollm2
     for policy, design, budget, seed in CONFIGURATIONS:
         result = kvcert.generate(
             model, tokenizer, context=context, question=question, answer_prefix=prefix, policy=policy,

@@ -331,6 +331,11 @@ def test_generate_serves_by_default_and_the_runner_passes_the_studys_settings():
                              policy="snapkv", design="poisson", budget=0.5)
     assert len(result.token_ids) == 3
     assert result.steps["true_err"].isna().all() and result.steps["cert"].notna().all()
+    from kvcert.run_schema import DELTA  # the certificate of each row: √(tr V̂ / δ), computed in float32 or wider
+
+    assert (result.steps["trace_var"] > 0).any()
+    assert result.steps["cert"].to_numpy() == pytest.approx((result.steps["trace_var"].to_numpy() / DELTA) ** 0.5,
+                                                            rel=1e-12)
     assert model.dtype == torch.bfloat16 and result.attention_path["path"] == "pytorch"  # no float32 cast
     defaults = inspect.signature(kvcert.generate).parameters
     assert defaults["oracle"].default is False and defaults["max_new_tokens"].default is None
@@ -338,11 +343,6 @@ def test_generate_serves_by_default_and_the_runner_passes_the_studys_settings():
              if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "decode_configurations"]
     assert len(calls) == 1
     assert {"oracle", "certify", "delta", "max_new_tokens"} <= {k.arg for k in calls[0].keywords}
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return kvcert.load_model("smollm2")
 
 
 @pytest.mark.smollm2

@@ -306,8 +306,8 @@ def test_per_head_retained_sets_match_a_float64_recomputation(arch, setting):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    model, tokenizer = kvcert.load_model("smollm2")
+def smollm2(smollm2):
+    model, tokenizer = smollm2  # the session's (tests/conftest.py)
     reference = copy.deepcopy(model)  # stock attention: kvcert attaches its own only inside its calls
     return model, reference, tokenizer
 

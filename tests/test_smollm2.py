@@ -48,12 +48,6 @@ INDEPENDENT_WALD = {0.25: 0.872, 0.5: 0.896}  # an independent implementation, c
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    model, tokenizer = kvcert.load_model("smollm2")
-    return model, tokenizer
-
-
-@pytest.fixture(scope="module")
 def first_step(smollm2):
     """Prefill of the prompt (for the scores) and of prompt + greedy token (for the first step's queries)."""
     model, tokenizer = smollm2
@@ -197,6 +191,14 @@ def test_generate_end_to_end(smollm2):
         n_steps = len(res.token_ids) - 1 + (0 if setting == "question_aware" else len(tokenizer(question, add_special_tokens=False).input_ids))
         assert len(steps) == n_steps * n_layers * n_kv
         assert steps[["trace_var", "cert", "true_err", "coverage"]].notna().all().all()
+        # Each row's certificate is √(tr V̂ / δ) of its trace at the default δ, its coverage whether the true error
+        # lies within it, and the relative columns those over ‖ô‖.
+        from kvcert.run_schema import DELTA
+
+        np.testing.assert_allclose(steps["cert"], np.sqrt(steps["trace_var"] / DELTA), rtol=1e-12)
+        assert (steps["coverage"] == (steps["true_err"] <= steps["cert"]).astype(float)).all()
+        np.testing.assert_allclose(steps[["rel_cert", "rel_err"]].to_numpy(),
+                                   steps[["cert", "true_err"]].to_numpy() / steps[["out_norm"]].to_numpy(), rtol=1e-12)
         # Chebyshev's 1 − δ = 0.95 holds on average; rows of one item's few steps move together, hence 0.8
         assert float(steps["coverage"].mean()) >= 0.8
         assert res.cache_bytes / res.full_bytes <= 0.5 + 0.03  # the budget + 0.03 the overhead benchmark targets

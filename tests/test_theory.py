@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-import kvcert
 from kvcert.theory import (
     LayerState,
     horvitz_thompson_unbiasedness,
@@ -90,8 +89,8 @@ def test_passkey_prompt_is_seeded():
 
 
 @pytest.mark.smollm2
-def test_theory_on_smollm2():
-    model, tokenizer = kvcert.load_model("smollm2")
+def test_theory_on_smollm2(smollm2):
+    model, tokenizer = smollm2
     context, question, _ = passkey_prompt()
     state = layer_state(model, tokenizer, context + question, layer=10)
     _check_nonidentifiability(nonidentifiability_demo(model, tokenizer, layer=10, budget=0.25, state=state))
