@@ -199,6 +199,24 @@ def test_a_target_chooses_its_count_under_the_defenses_and_the_head_follows_the_
     assert not torch.equal(defended.pi, plain.pi)
 
 
+def test_decode_time_compression_takes_the_heads_window_attention():
+    from kvcert.decode_compression import thin_head
+    from kvcert.policies import get_policy
+
+    view = _view(seed=8, n=200)
+    head = LayerView(keys=view.keys[:, :1], values=view.values[:, :1], window_queries=view.window_queries[:, :2],
+                     accumulated_attention=None, scale=view.scale)
+    log_pi = torch.zeros(200)
+    options = DesignOptions(tail_mix=0.5, head_attention_share=1.0)
+    kept, stage = thin_head(head, log_pi, 100, policy=get_policy("snapkv"), design="poisson", options=options,
+                            generator=torch.Generator().manual_seed(0))
+    certain = set(kept[stage == 0].tolist()) - set(range(DESIGN.n_sink)) - set(range(200 - DESIGN.n_recent, 200))
+    mass = window_attention_mass(head)[0, 0]
+    free = torch.arange(DESIGN.n_sink, 200 - DESIGN.n_recent)
+    top = free[torch.argsort(-mass[free].double(), stable=True)[:len(certain)]]
+    assert certain == set(top.tolist()) and len(certain) == int(0.5 * (100 - 36))
+
+
 # ------------------------------------------------------------------------------------------- the estimator
 
 
