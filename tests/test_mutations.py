@@ -13,6 +13,7 @@ in a tier) are quick and run in make test.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _pytest.mark.expression import Expression
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -38,13 +40,31 @@ def tier_expression(variable: str) -> str:
     return found[0].strip()
 
 
-def _collected(expression: str, node_ids: list[str]) -> set[str]:
-    """The node ids among ``node_ids`` that pytest selects under the marker expression."""
+MARKERS_PLUGIN = """
+import json, os
+
+def pytest_collection_modifyitems(session, config, items):
+    with open(os.environ["KVCERT_COLLECTED_MARKERS"], "w") as f:
+        json.dump({item.nodeid: sorted({m.name for m in item.iter_markers()}) for item in items}, f)
+"""
+
+
+def _markers(node_ids: list[str], tmp: Path) -> dict[str, set[str]]:
+    """{node id: its marker names} of every test in the files of ``node_ids``, from one collection."""
+    (tmp / "collected_markers.py").write_text(MARKERS_PLUGIN)
+    out = tmp / "markers.json"
+    env = {**os.environ, "KVCERT_COLLECTED_MARKERS": str(out),
+           "PYTHONPATH": os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     files = sorted({node.split("::")[0] for node in node_ids})
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
-                           expression, *files], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode in (0, 5), proc.stdout[-2000:] + proc.stderr[-2000:]  # 5: none selected
-    return {line.strip() for line in proc.stdout.splitlines() if "::" in line}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p",
+                           "collected_markers", *files], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return {node: set(names) for node, names in json.loads(out.read_text()).items()}
+
+
+def _selected(expression: str, markers: set[str]) -> bool:
+    """Whether ``pytest -m expression`` selects a test with these markers."""
+    return Expression.compile(expression).evaluate(lambda name, **kwargs: not kwargs and name in markers)
 
 
 def test_every_mutation_names_a_snippet_present_once_and_tests_that_exist():
@@ -66,15 +86,17 @@ def test_every_mutation_names_a_snippet_present_once_and_tests_that_exist():
             "certificate-delta", "variance-without-one-minus-pi", "poisson-tail-target", "allocator-rounding"} <= ids
 
 
-def test_every_listed_test_runs_in_make_test_or_make_test_full():
+def test_every_listed_test_runs_in_make_test_or_make_test_full(tmp_path):
     nodes = sorted({node for m in MUTATIONS for node in m["tests"]})
-    selected = _collected(tier_expression("TEST_MARKERS"), nodes) | _collected(tier_expression("TEST_FULL_MARKERS"),
-                                                                               nodes)
-
-    def chosen(node: str) -> bool:  # a test listed without its parameters stands for all of them
-        return node in selected or any(s.startswith(node + "[") for s in selected)
-
-    assert [node for node in nodes if not chosen(node)] == []
+    collected = _markers(nodes, tmp_path)
+    tiers = [tier_expression("TEST_MARKERS"), tier_expression("TEST_FULL_MARKERS")]
+    for node in nodes:  # a test listed without its parameters stands for each of them
+        cases = {c: marks for c, marks in collected.items() if c == node or c.startswith(node + "[")}
+        assert cases, f"{node} is not collected"
+        for case, marks in cases.items():
+            assert any(_selected(tier, marks) for tier in tiers), f"{case} ({sorted(marks)}) is in neither tier"
+    # The two tiers do not overlap, and the slow marker is what separates them.
+    assert not _selected(tiers[0], {"slow"}) and _selected(tiers[1], {"slow"}) and _selected(tiers[0], {"smollm2"})
 
 
 def _outcomes(report: Path) -> dict[str, str]:
