@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -87,6 +88,45 @@ def test_per_row_counts_give_the_designs_probabilities(counts, top_slice):
                                            head_fraction=OPTIONS.head_fraction if top_slice else 0.0)
         torch.testing.assert_close(pi[0, h].float(), expected, rtol=0, atol=1e-7)
         assert abs(float(pi[0, h].sum()) - count) < 1e-6
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_targets_take_their_probabilities_from_sampling_and_equal_the_designs_on_random_inputs(seed):
+    """kvcert.targets holds no inclusion probabilities of its own: its per-row π is kvcert.sampling's
+    row_inclusion_probabilities under the design's options, and on random scores, counts, shares, floors and
+    defenses each row equals what sampling's inclusion_probabilities gives that row at its count (the exact level
+    against 100 bisection steps: within float32's rounding of π, Σπ the count)."""
+    import kvcert.targets as targets_module
+    from kvcert import sampling
+
+    source = Path(targets_module.__file__).read_text()
+    assert not hasattr(targets_module, "exact_water_fill")
+    assert not any(f"def {name}(" in source for name in ("exact_water_fill", "_water_fill", "rank_scores", "mix_tail"))
+    g = torch.Generator().manual_seed(seed)
+    rows, n = 7, int(torch.randint(40, 300, (1,), generator=g))
+    options = DesignOptions(n_sink=int(torch.randint(0, 6, (1,), generator=g)),
+                            n_recent=int(torch.randint(1, 20, (1,), generator=g)),
+                            head_fraction=float(torch.rand(1, generator=g)) * 0.5,
+                            pi_min=float(torch.rand(1, generator=g)) * 0.05 + 1e-4,
+                            tail_mix=[0.0, 0.3][seed % 2], head_attention_share=[0.0, 0.5, 1.0][seed % 3])
+    scores = torch.rand(1, rows, n, generator=g, dtype=torch.float64) ** 3  # skewed: some tail π reach the cap
+    attention = torch.rand(1, rows, n, generator=g, dtype=torch.float64)
+    low = minimum_count(n, options.n_sink, options.n_recent)
+    counts = torch.randint(low, n + 1, (1, rows), generator=g)
+    pi = row_inclusion_probabilities(scores, counts, options, attention=attention)
+    direct = sampling.row_inclusion_probabilities(
+        scores, counts, n_sink=options.n_sink, n_recent=options.n_recent, head_fraction=options.head_fraction,
+        pi_min=options.pi_min, tail_mix=options.tail_mix, head_attention_share=options.head_attention_share,
+        attention=attention)
+    assert torch.equal(pi, direct)
+    for h in range(rows):
+        expected = inclusion_probabilities(scores[0, h], int(counts[0, h]), n_sink=options.n_sink,
+                                           n_recent=options.n_recent, head_fraction=options.head_fraction,
+                                           pi_min=options.pi_min, tail_mix=options.tail_mix,
+                                           head_attention_share=options.head_attention_share,
+                                           attention=attention[0, h])
+        torch.testing.assert_close(pi[0, h].float(), expected, rtol=0, atol=1e-6)
+        assert abs(float(pi[0, h].sum()) - max(int(counts[0, h]), low)) < 1e-6
 
 
 @pytest.mark.parametrize("error, sliding", [(0.3, None), (0.1, None), (0.05, 64)])

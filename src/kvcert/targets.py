@@ -38,7 +38,8 @@ from .run_schema import DELTA, FLOOR_SHARE_OF_CAP, HALF_CAP
 from .designs import CLT_NEEDS_TARGET, TARGET_DESIGNS, DesignOptions, Selection, _pack, window_attention_mass
 from .estimator import compute_dtype
 from .policies.base import LayerView
-from .sampling import certain_mask, minimum_count, mix_tail, poisson_sample, retained_count
+from .sampling import Ranking, certain_mask, minimum_count, poisson_sample, rank_scores, retained_count
+from .sampling import row_inclusion_probabilities as sampling_row_inclusion_probabilities
 
 WINDOW_RULE_DEFAULT = 1.0  # the maximum over the window's queries
 
@@ -200,137 +201,17 @@ def predicted_relative_certificate(terms: WindowTerms, pi: torch.Tensor, target:
     return torch.quantile(relative, target.window_quantile, dim=-1, interpolation="higher")
 
 
-def exact_water_fill(scores: torch.Tensor, tail: torch.Tensor, target: torch.Tensor, pi_min: float,
-                     ascending: torch.Tensor | None = None) -> torch.Tensor:
-    """``kvcert.sampling._water_fill`` solved exactly instead of by 100 bisection steps: the same π.
-
-    scores: (R, n) float64; tail: (R, n) bool; target: (R,) float64 with pi_min·|tail| < target < |tail|;
-    ascending: (R, n) the tail's scores clamped at 0 in ascending order, +inf after them (sorted here if None).
-    Σ_tail clip(c·s, pi_min, 1) is continuous, non-decreasing and piecewise linear in c, with breakpoints
-    pi_min/s_i (s_i leaves the floor) and 1/s_i (s_i reaches the cap): the totals at the breakpoints come from
-    the sorted tail's prefix sums, the piece holding the target is bracketed by the nearest breakpoints on both
-    sides, and on it the level solves a linear equation. The scores get _water_fill's perturbation (strictly
-    positive, ties split by 1e-9 of the row's maximum), so both give one π. Returns (R, n) float64, zero off the
-    tail.
-    """
-    rows, n = scores.shape
-    if ascending is None:
-        ascending = torch.sort(torch.where(tail, scores.clamp_min(0.0), torch.full_like(scores, float("inf"))),
-                               dim=-1).values
-    size = tail.sum(-1, keepdim=True)  # |tail|: the finite entries of ``ascending`` come first
-    last = ascending.gather(-1, (size - 1).clamp_min(0))
-    row_max = torch.where(size > 0, last, torch.zeros_like(last)).clamp_min(0.0)  # _water_fill's max over the tail
-    shift = 1e-9 * row_max + 1e-300
-    s = scores.clamp_min(0.0) + shift
-    ascending = ascending + shift  # the perturbation keeps the order
-    finite = torch.where(torch.isfinite(ascending), ascending, torch.zeros_like(ascending))
-    prefix = torch.cat([torch.zeros_like(finite[:, :1]), finite.cumsum(-1)], dim=-1)  # (R, n + 1)
-
-    def pieces(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """At levels c (R, k): (capped count, floored count, Σ s of the tokens between floor and cap)."""
-        floored = torch.minimum(torch.searchsorted(ascending, pi_min / c, right=True), size)
-        below_cap = torch.minimum(torch.searchsorted(ascending, 1.0 / c, right=False), size)
-        return size - below_cap, floored, prefix.gather(-1, below_cap) - prefix.gather(-1, floored)
-
-    def total(c: torch.Tensor) -> torch.Tensor:
-        capped, floored, middle = pieces(c)
-        return capped + c * middle + pi_min * floored
-
-    goal = target.unsqueeze(-1)
-    low = torch.zeros_like(goal)
-    high = torch.full_like(goal, float("inf"))
-    # two sorted sequences of breakpoints (descending along the row; +inf entries give c = 0, all floored): in
-    # each, those whose total is <= target form a suffix. The nearest on either side of the target bracket its
-    # piece, which holds no other breakpoint.
-    for c in (pi_min / ascending, 1.0 / ascending):
-        above = (total(c) > goal).sum(-1, keepdim=True)  # the suffix starts here
-        low = torch.maximum(low, c.gather(-1, above.clamp_max(n - 1)).where(above < n, torch.zeros_like(low)))
-        nearest_above = c.gather(-1, (above - 1).clamp_min(0))
-        high = torch.minimum(high, nearest_above.where(above > 0, torch.full_like(high, float("inf"))))
-    capped, floored, middle = pieces(0.5 * (low + high))
-    level = (goal - capped - pi_min * floored) / middle.clamp_min(1e-300)
-    pi = (s * level).clamp(pi_min, 1.0)
-    return torch.where(tail, pi, torch.zeros_like(pi))
-
-
-@dataclass(frozen=True)
-class _Ranking:
-    """What a row's π needs that its count does not change, computed once per search.
-
-    rank: (R, n) long, the rank among the non-certain tokens by score (stable: ties by position), n for certain
-    ones; ascending: (R, n) float64, the non-certain scores clamped at 0 in ascending order, +inf after them;
-    free: the number of non-certain tokens (the same in every row)."""
-
-    rank: torch.Tensor
-    ascending: torch.Tensor
-    free: int
-
-
-def _ranking(flat: torch.Tensor, certain: torch.Tensor) -> _Ranking:
-    rows, n = flat.shape
-    ranked = torch.where(certain, torch.full_like(flat, float("-inf")), flat.clamp_min(0.0))
-    order = torch.argsort(-ranked, dim=-1, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=flat.device).expand(rows, n))
-    free = n - int(certain[0].sum())
-    descending = ranked.gather(-1, order)[:, :free]
-    ascending = torch.cat([descending.flip(-1), torch.full_like(flat[:, free:], float("inf"))], dim=-1)
-    return _Ranking(torch.where(certain, torch.full_like(rank, n), rank), ascending, free)
-
-
 def row_inclusion_probabilities(scores: torch.Tensor, counts: torch.Tensor, options: DesignOptions,
-                                certain_top_slice: bool = True, ranking: _Ranking | None = None,
+                                certain_top_slice: bool = True, ranking: Ranking | None = None,
                                 attention: torch.Tensor | None = None,
-                                attention_ranking: _Ranking | None = None) -> torch.Tensor:
-    """``kvcert.sampling.inclusion_probabilities`` with one expected count per row.
-
-    scores: (..., n) importance; counts: (...) integer expected counts (raised to sinks + recent window);
-    ranking: the rows' ``_ranking`` when already computed (it does not depend on the counts).
-    The defenses of ``options`` as there: ``tail_mix`` mixes the tail with a uniform share; ``head_attention_share``
-    gives floor(η·n_top) of each row's top slice to the tokens ``attention`` ((..., n), the window's attention)
-    ranks highest, the rest to the highest scores not chosen yet (attention_ranking: its ``_ranking``, if computed).
-    Returns (..., n) float64 π: for every row, what inclusion_probabilities(row, count) gives (the top slice's
-    ties are broken by position). tests/test_targets.py and tests/test_defenses.py check the two agree row by row.
-    """
-    n = scores.shape[-1]
-    head_fraction = options.head_fraction if certain_top_slice else 0.0
-    flat = scores.reshape(-1, n).to(torch.float64)
-    rows = flat.shape[0]
-    count = counts.reshape(rows).to(torch.float64).clamp_min(minimum_count(n, options.n_sink, options.n_recent))
-    certain = certain_mask(n, options.n_sink, options.n_recent, scores.device).expand(rows, n)
-    ranking = ranking if ranking is not None else _ranking(flat, certain)
-    n_certain = n - ranking.free
-    n_top = torch.floor(head_fraction * (count - n_certain)).clamp_min(0)  # int() of a non-negative number
-    n_attended = torch.floor(options.head_attention_share * n_top)
-    if bool((n_attended > 0).any()):  # the attention's share of the slice first, then the scores' skipping those
-        if attention is None:
-            raise ValueError(f"head_attention_share={options.head_attention_share} needs the window's attention")
-        if attention_ranking is None:
-            attention_ranking = _ranking(attention.reshape(rows, n).to(torch.float64), certain)
-        attended = attention_ranking.rank < n_attended.unsqueeze(-1)
-        # each token's place in the score order among the tokens the attention did not choose
-        in_order = torch.zeros((rows, n + 1), dtype=torch.long, device=scores.device)
-        in_order.scatter_(-1, ranking.rank, attended.long())  # certain tokens (rank n) land in the spare column
-        before = (in_order.cumsum(-1) - in_order).gather(-1, ranking.rank)
-        by_score = ~attended & (ranking.rank - before < (n_top - n_attended).unsqueeze(-1))
-        head = certain | attended | by_score
-        ascending = None  # the tail is no longer the scores' bottom: exact_water_fill sorts it
-    else:
-        head = certain | (ranking.rank < n_top.unsqueeze(-1))
-        # the tail's sorted scores: the non-certain ones without the top slice, i.e. without the largest n_top
-        kept = torch.arange(n, device=scores.device) < (ranking.free - n_top).unsqueeze(-1)
-        ascending = torch.where(kept, ranking.ascending, torch.full_like(flat, float("inf")))
-    tail = ~head
-    n_tail = (n - n_certain - n_top).clamp_min(1.0)
-    share = count - n_certain - n_top
-    uniform = (options.pi_min * n_tail >= share).unsqueeze(-1)
-    filled = exact_water_fill(flat, tail, share, options.pi_min, ascending)
-    pi_tail = torch.where(uniform, (share / n_tail).unsqueeze(-1).expand(rows, n), filled)
-    if options.tail_mix > 0:
-        pi_tail = mix_tail(torch.where(tail, pi_tail, torch.zeros_like(pi_tail)), tail, share / n_tail,
-                           options.tail_mix)
-    pi = torch.where(head, torch.ones_like(flat), torch.where(tail, pi_tail, torch.zeros_like(flat)))
-    pi = torch.where((count >= n).unsqueeze(-1), torch.ones_like(pi), pi)
-    return pi.reshape(scores.shape)
+                                attention_ranking: Ranking | None = None) -> torch.Tensor:
+    """``kvcert.sampling.row_inclusion_probabilities`` under a design's options (certain_top_slice False: no top
+    slice, as a design without one): (..., n) float64 π, one expected count per row of ``counts`` (...)."""
+    return sampling_row_inclusion_probabilities(
+        scores, counts, n_sink=options.n_sink, n_recent=options.n_recent,
+        head_fraction=options.head_fraction if certain_top_slice else 0.0, pi_min=options.pi_min,
+        tail_mix=options.tail_mix, head_attention_share=options.head_attention_share, ranking=ranking,
+        attention=attention, attention_ranking=attention_ranking)
 
 
 def choose_expected_counts(view: LayerView, scores: torch.Tensor, target: Target, budget: float,
@@ -366,11 +247,11 @@ def choose_expected_counts(view: LayerView, scores: torch.Tensor, target: Target
 
     flat = scores.reshape(-1, n).to(torch.float64)
     certain = certain_mask(n, options.n_sink, options.n_recent, scores.device).expand_as(flat)
-    ranking = _ranking(flat, certain)
+    ranking = rank_scores(flat, certain)
     attention_ranking = None
     if options.head_attention_share > 0:
         attention = attention if attention is not None else window_attention_mass(view)
-        attention_ranking = _ranking(attention.reshape(-1, n).to(torch.float64), certain)
+        attention_ranking = rank_scores(attention.reshape(-1, n).to(torch.float64), certain)
 
     def predict(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pi = row_inclusion_probabilities(scores, counts, options, certain_top_slice, ranking, attention,
@@ -529,5 +410,5 @@ def check_target(design: str, target_error, target_delta, target_floor=HALF_CAP)
 
 
 __all__ = ["CHOICE_COLUMNS", "FLOOR_SHARE_OF_CAP", "HALF_CAP", "CalibratedScale", "Target", "TargetChoice", "WindowTerms", "calibrated_scales",
-           "check_target", "choose_expected_counts", "exact_water_fill", "predicted_relative_certificate",
+           "check_target", "choose_expected_counts", "predicted_relative_certificate",
            "row_inclusion_probabilities", "target_design", "targeted_selections", "window_terms"]
