@@ -180,6 +180,13 @@ chat-template-probe: install model
 decode-compression: install model
 	$(BIN)/python benchmarks/decode_compression.py
 
+## Exploratory: the certificate's defenses (design_options.tail_mix, head_attention_share) on SmolLM2, CUR and SnapKV
+## Poisson at budget 0.25 over 8 pass-key prompts no study uses (benchmarks/defense_probe.py); writes
+## results/exploratory/defenses/coverage.csv (coverage and certificate width per lambda and eta).
+.PHONY: defense-probe
+defense-probe: install model
+	$(BIN)/python benchmarks/defense_probe.py
+
 ## Batches under the press (benchmarks/press_batch_throughput.py): SmolLM2 on the CPU, tokens per second against batch
 ## size for top-k and Poisson beside the stock model, measured side by side in one run, and the peak memory.
 .PHONY: bench-press-batch
