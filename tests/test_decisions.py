@@ -5,7 +5,9 @@ anything else fails.
 The real cells are SmolLM2-135M on two short RULER items (marker smollm2: each test runs one cell, about 8 s on two
 idle cores, 25-45 s on busy ones), run in this process so that a test
 can plant a bug with monkeypatch: the Hájek offset with the wrong sign (+log π), and another policy's scores under
-SnapKV's name. Each bug run is compared with an unmodified run through the comparison's own code and must fail.
+SnapKV's name. Each bug run is compared with an unmodified run through the comparison's own code and must fail;
+one test (marker slow, two cells of study v5's task) does so through make verify-results' path for a record that
+keeps no decisions.
 Two tests edit a copy of the unmodified run's tables to plant one flipped answer (labelled where they do); the
 accuracy-level tests write small decisions tables by hand (a test of our own comparison logic).
 """
@@ -295,6 +297,77 @@ def test_verify_results_compares_the_cells_a_record_keeps(record, tmp_path, caps
     out = capsys.readouterr().out
     assert f"verify-results: cells: accepted v5 oracle-smollm2/shard-0 snapkv topk 0.25 seed 0 item {keys['item_id']}" in out
     assert "1 shards agree row by row but for 1 near-tie flips (above)" in out
+
+
+# --- make verify-results against a record that predates decisions (study v5's committed record), real cells ------
+
+# Study v5's task and design, small: SmolLM2 on niah_multikey_2_512 (seed 50), leverage, Poisson at a certain-head
+# share of 0.8 and half the cache, three draws per item. Every answer right, and most draws carry a draw near-tie.
+V5_LIKE = ["data=ruler", "data.tasks=[{name:niah_multikey,label:niah_multikey_2_512,num_needles:2,context_tokens:512}]",
+           "data.seed=50", "n_items=6", "model=smollm2", "policies=[leverage]", "designs=[poisson]",
+           "design_options.head_fraction=0.8", "budgets=[0.5]", "seeds=[0,1,2]", "threads=1", "progress=false"]
+
+
+def _v5_study(root: Path) -> Path:
+    """One real v5-like cell in this process (the caller's monkeypatches apply) at
+    ``root``/v5/cells/qa-smollm2-share0.8/shard-0, and the study's accuracy.csv as make verify-results reads it
+    (kvcert-accuracy's table, with the study column the aggregate adds)."""
+    from kvcert.analysis.accuracy import accuracy_table
+    from kvcert.hydra_app import compose
+    from kvcert.runner.cell import run_cell
+
+    shard = root / "v5" / "cells" / "qa-smollm2-share0.8" / "shard-0"
+    threads = torch.get_num_threads()
+    try:
+        run_cell(compose([*V5_LIKE, f"out_dir={shard}"]), shard)
+    finally:
+        torch.set_num_threads(threads)
+    table = accuracy_table(pd.read_parquet(shard / "items.parquet"))
+    table.insert(0, "study", "v5")
+    (root / "accuracy.csv").write_text(table.to_csv(index=False))
+    return root
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow  # two real cells: make test-full
+def test_a_changed_policy_fails_verify_results_against_a_record_without_decisions(tmp_path, monkeypatch, capsys):
+    """The path make verify-results takes for study v5: the record keeps its tables but no decisions.parquet, so
+    a changed answer is judged by the rerun's own margins, where most Poisson draws carry a draw near-tie. A
+    planted bug (leverage's configurations scored by key norms) must fail there, and where a record keeps its
+    cells, whose near-ties excuse most of its changed answers one by one, it fails by their number. (The other
+    planted bug, the Hájek offset's sign, changes no answer of this cell: an accuracy table cannot see it;
+    compare_cells does, test_the_wrong_offset_sign_fails, and so do the claims on certificates.) Two real
+    cells, a few minutes on two cores."""
+    import kvcert.generation
+
+    record = _v5_study(tmp_path / "record")
+    committed = tmp_path / "committed"  # what a committed record holds: its tables, no decisions.parquet
+    committed.mkdir()
+    shutil.copy(record / "accuracy.csv", committed / "accuracy.csv")
+    args = ["--committed", str(committed), "v5", "--tables", "accuracy.csv"]
+    assert compare_results.main([*args, "--fresh", str(record)]) == 0  # the same run again passes
+    assert "accuracy.csv (v5): equal" in capsys.readouterr().out
+
+    original = kvcert.generation.get_policy
+    monkeypatch.setattr(kvcert.generation, "get_policy",
+                        lambda name, **options: original("knorm") if name == "leverage" else original(name, **options))
+    bug = _v5_study(tmp_path / "bug")
+    monkeypatch.undo()
+    shard = Path("v5") / "cells" / "qa-smollm2-share0.8" / "shard-0"
+    decisions = pd.read_parquet(bug / shard / "decisions.parquet")
+    poisson = decisions[decisions["design"] == "poisson"]
+    assert sum(bool(near_ties(row)) for row in poisson.to_dict("records")) > len(poisson) / 2  # most draws
+    assert compare_results.main([*args, "--fresh", str(bug)]) == 1
+    out = capsys.readouterr().out
+    assert "accuracy.csv (v5): DIFFERS" in out and "v5 smollm2 niah_multikey_2_512 question_aware leverage poisson" in out
+
+    # a record that keeps its cell (items.parquet and decisions.parquet): its draw near-ties excuse changed answers
+    # one by one (the draws kept another set), but not that many
+    diffs, accepted = compare_results.compare_cells(record / shard, bug / shard)
+    assert len(accepted) >= 2, (diffs, accepted)
+    assert not compare_results.compare_study_cells(record, bug, "v5")
+    out = capsys.readouterr().out
+    assert f"v5: {len(accepted)} near-tie flips in its cells, more than a correct rerun makes" in out, out
 
 
 # --- the recording itself, on tiny random-weight models (no download) -------------------------------------------
