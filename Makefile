@@ -124,7 +124,7 @@ device-check-standin:
 	exit $$status
 
 ## The test tiers, by marker (pyproject.toml describes each marker; tests/test_mutations.py reads these two lines):
-## make test, README's test command, runs the unit tests and the real-model tests, at most 12 minutes on 2 cores;
+## make test, README's test command, runs the unit tests and the real-model tests (its budget: 12 minutes on 2 cores);
 ## make test-full runs what it leaves out that CI still runs (marker slow: the smoke DAG end to end, the held-out
 ## calibration check, the planted mutations, the other end-to-end runs of a minute or more). CI runs both, then
 ## make test-cluster and make test-slurm; make test-long is outside CI.
