@@ -57,6 +57,7 @@ def _same_certificate(batched, alone, design: str) -> None:
         assert batched.steps["rel_cert"].isna().all()
 
 
+@pytest.mark.slow  # SmolLM2 batches against each prompt alone, four presses (about 250 CPU-seconds): make test-full
 @pytest.mark.smollm2
 @pytest.mark.parametrize("policy, design", [("snapkv", "poisson"), ("snapkv", "topk"), ("knorm", "poisson"),
                                             ("knorm", "topk")])
@@ -93,6 +94,7 @@ def test_a_padded_batch_under_stock_generate_answers_as_each_prompt_alone(smollm
         press.certificate
 
 
+@pytest.mark.slow  # the pipeline on a batch of documents against each alone (about 50 CPU-seconds): make test-full
 @pytest.mark.smollm2
 def test_the_pipeline_with_a_list_of_documents_answers_as_each_document_alone(smollm2):
     """``pipe([doc, doc], questions=[...])``: every document prefilled and compressed once, every (document,
