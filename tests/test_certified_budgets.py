@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from kvcert.analysis.accuracy import accuracy_points
-from kvcert.analysis.data import load_cells
+from kvcert.analysis.exploratory import load_cell_table
 from kvcert.analysis.errors import AnalysisError
 from kvcert.analysis.stats import auc
 
@@ -320,14 +320,14 @@ def test_a_target_cell_at_the_default_floor_is_named_by_the_floor_of_its_cap(scr
 
 def test_the_analysis_package_reads_and_scores_what_the_script_tabulates(script, cells, tmp_path):
     """The script reads cells, accuracy and AUCs through kvcert.analysis: a missing column of a table it reads is
-    named by load_cells; accuracy is the claims' per-item mean over seeds, then over items (an item answered right
+    named by load_cell_table; accuracy is the claims' per-item mean over seeds, then over items (an item answered right
     on one seed of two counts one half, not one); the AUC is stats.auc's, ties counted one half."""
     target_dir = Path(cells["m-target_0.1"]["dirs"][0])
     frame = pd.read_parquet(target_dir / "steps.parquet").drop(columns=["out_norm"])
     frame.to_parquet(target_dir / "steps.parquet")
     with pytest.raises(AnalysisError, match=r"steps.parquet: missing column\(s\) out_norm"):
         script.main(cells, [0.1], 0.05, tmp_path / "out", tmp_path / "fig.png", tmp_path / "fig.pdf")
-    assert len(load_cells([target_dir], "steps", ["true_err"])) == 9  # only what the caller names is required
+    assert len(load_cell_table([target_dir], "steps", ["true_err"])) == 9  # only what the caller names is required
     seeds = pd.DataFrame({"model": "m", "item_id": ["a", "a", "b", "b"], "seed": [0, 1, 0, 1],
                           "correct": [True, False, True, True]})
     assert accuracy_points(seeds.iloc[[0, 1, 2]]) == pytest.approx(75.0)  # (0.5 + 1) / 2; its rows give 66.7

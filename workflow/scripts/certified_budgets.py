@@ -63,14 +63,14 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from kvcert.analysis.accuracy import accuracy_points  # noqa: E402
-from kvcert.analysis.data import load_cells  # noqa: E402
+from kvcert.analysis.exploratory import load_cell_table  # noqa: E402
 from kvcert.analysis.figures import save_figure  # noqa: E402
 from kvcert.analysis.stats import auc  # noqa: E402
 from kvcert.atomic import write_text_atomic  # noqa: E402
 from kvcert.run_schema import FLOOR_SHARE_OF_CAP, HALF_CAP  # noqa: E402
 
 KEYS = ["item_id", "policy", "design", "budget", "seed", "setting"]
-# The columns read of each cell table (kvcert.analysis.data.load_cells checks them; a target cell writes targets)
+# The columns read of each cell table (kvcert.analysis.exploratory.load_cell_table checks them; a target cell writes targets)
 READS = {"items": [*KEYS, "correct", "retained_tokens", "context_tokens", "full_bytes"],
          "steps": [*KEYS, "step", "layer", "kv_head", "true_err", "out_norm"],
          "targets": [*KEYS, "layer", "kv_head", "expected_count", "context_tokens", "met"]}
@@ -127,7 +127,7 @@ def load(cells: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     items, steps, choices, full_seen = [], [], [], set()
 
     def read(spec, table, tags):
-        frame = load_cells(spec["dirs"], table, READS[table]).assign(**tags)
+        frame = load_cell_table(spec["dirs"], table, READS[table]).assign(**tags)
         if spec.get("target_floor") == HALF_CAP:  # the default floor, per configuration: half its cap
             frame["target_floor"] = FLOOR_SHARE_OF_CAP * frame["budget"].astype(float)
         return frame

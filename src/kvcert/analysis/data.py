@@ -37,12 +37,8 @@ REFERENCE_POLICY = "full"
 BUDGET_ATOL = 1e-6
 
 
-def load_cells(cell_dirs: Sequence[str | Path], table: str, required: Sequence[str] | None = None) -> pd.DataFrame:
-    """Concatenate ``<cell>/<table>.parquet`` over cells, checking that the needed columns exist.
-
-    required: the columns the caller reads (None: the claims' ``REQUIRED[table]``); an exploratory analysis names
-    its own, and may read a table the claims do not (a target cell's ``targets``)."""
-    required = REQUIRED[table] if required is None else tuple(required)
+def load_cells(cell_dirs: Sequence[str | Path], table: str) -> pd.DataFrame:
+    """Concatenate ``<cell>/<table>.parquet`` over cells, checking that the needed columns exist."""
     if not cell_dirs:
         raise AnalysisError(f"no cell directories given (need at least one with {table}.parquet)")
     frames = []
@@ -54,7 +50,7 @@ def load_cells(cell_dirs: Sequence[str | Path], table: str, required: Sequence[s
             df = pd.read_parquet(path)
         except Exception as exc:  # pyarrow raises several types for corrupt files
             raise AnalysisError(f"{path}: unreadable parquet ({type(exc).__name__}: {exc})") from None
-        missing = [c for c in required if c not in df.columns]
+        missing = [c for c in REQUIRED[table] if c not in df.columns]
         if missing:
             raise AnalysisError(f"{path}: missing column(s) {', '.join(missing)}")
         frames.append(df)
