@@ -3,6 +3,7 @@ file or a module can decide is checked here, so that an edit of one without the 
 no DAG; reads results/, workflow/scales/, the Makefile, pyproject.toml and a few kvcert modules."""
 
 import csv
+import functools
 import importlib.util
 import json
 import re
@@ -37,6 +38,7 @@ def text(path):
     return path.read_text(encoding="utf-8")
 
 
+@functools.lru_cache(maxsize=None)  # one module serves every page's tables
 def render_script():
     spec = importlib.util.spec_from_file_location("render_docs", ROOT / "workflow" / "scripts" / "render_docs.py")
     module = importlib.util.module_from_spec(spec)
@@ -56,21 +58,10 @@ def same_shown(value, shown, decimals):
 
 
 def markdown_tables(page):
-    """Every markdown table of a page: (header cells, body rows of cells); escaped pipes kept."""
-    tables, current = [], None
-    # a rows span's key and template (an HTML comment) are no table; its rendered lines after the comment are
+    """Every markdown table of a page: (header cells, body rows of cells); escaped pipes kept (the renderer's parser,
+    on the page less its rows spans' templates: a rows span's key and template are an HTML comment, no table)."""
     body = re.sub(r"<!-- rows:.*?-->\n", "", text(page), flags=re.S)
-    for line in body.splitlines():
-        if line.startswith("|"):
-            cells = [c.strip().replace("\0", "|") for c in line.replace("\\|", "\0").strip("|").split("|")]
-            if current is None:
-                current = (cells, [])
-                tables.append(current)
-            elif not set("".join(cells)) <= set("-: "):
-                current[1].append(cells)
-        else:
-            current = None
-    return tables
+    return render_script().markdown_tables(body)
 
 
 # --- README ------------------------------------------------------------------------------------------------
