@@ -209,7 +209,9 @@ def _smoke_sized_power_5(folder: Path) -> None:
     (folder / "power.yaml").write_text(yaml.safe_dump(power, sort_keys=False))
 
 
-@pytest.mark.cluster
+# make test-long: nine real cells (974 s on loaded cores), more than CI's 90 minutes can hold beside the other tiers;
+# amendment 5's design rebuilt from its data alone (tests/test_amendment_as_data.py) runs in make test.
+@pytest.mark.long
 def test_a_throwaway_amendment_of_amendment_5s_shape_runs_from_data_alone(tmp_path):
     root = _copy(tmp_path / "repo", upto=5)
     folder = _amendment_6(root)
