@@ -106,6 +106,7 @@ def test_low_precision_certificate_matches_float64_and_the_kernel_run(dtype, tok
     assert 1 / 1.25 <= err / ref_err <= 1.25, (err, ref_err)
 
 
+@pytest.mark.slow  # make test-full: keeps make test near 12 minutes
 def test_float32_pytorch_path_equals_the_kernel(tokenizer, float32_kernel, monkeypatch):
     """The same float32 decode with the kernel on (the fixture) and off: the same step table up to rounding."""
     from kvcert.kernels import attention_path

@@ -20,6 +20,7 @@ CONFIGURATIONS = [("full", "full", 1.0, 0), ("snapkv", "topk", 0.5, 0), ("snapkv
 
 
 @pytest.mark.parametrize("setting, limit", [("streaming", None), ("question_aware", 300)])
+@pytest.mark.slow  # make test-full: keeps make test near 12 minutes
 def test_generate_returns_the_prediction_kvcert_run_records(tmp_path, setting, limit, capsys, smollm2):
     context, question, answer = passkey_prompt(n_noise=14, n_needles=2, seed=5)
     question, prefix = question.split("?")[0] + "?", question.split("?")[1]

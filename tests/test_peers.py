@@ -141,6 +141,7 @@ def pooled_window_share(view, window: int, kernel: int) -> np.ndarray:
     return view.group_mean(torch.stack(shares, dim=-1)).numpy()  # (b, q_heads, half) -> (b, kv_heads, half)
 
 
+@pytest.mark.slow  # make test-full: keeps make test near 12 minutes
 def test_snapkv_scores_equal_kvpress(compared):
     model_name, model, ids, settings, peer = compared
     n, layers = ids.shape[-1], model.config.num_hidden_layers

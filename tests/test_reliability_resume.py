@@ -54,6 +54,7 @@ def _kvcert_run() -> list[str]:
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow  # make test-full: keeps make test near 12 minutes
 def test_cell_killed_with_sigkill_resumes_to_the_uninterrupted_table(tmp_path, capsys):
     reference = tmp_path / "reference"
     assert cli.main([*CELL, f"out_dir={reference}"]) == 0, capsys.readouterr().err

@@ -137,6 +137,7 @@ def _gguf_cell(tmp_path, tmp_path_factory, workload, arch, setting):
 
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+@pytest.mark.slow  # make test-full: keeps make test near 12 minutes
 def test_foreign_workload_on_gguf_of_other_architectures(tmp_path, tmp_path_factory, workload, arch, setting):
     tiny, items, steps = _gguf_cell(tmp_path, tmp_path_factory, workload, arch, setting)
     if tiny.sliding_layers:
@@ -200,6 +201,7 @@ def tiny_gemma3_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.slow  # make test-full: keeps make test near 12 minutes
 def test_foreign_workload_on_hf_directory_with_sliding_window_and_mqa(tmp_path, workload, tiny_gemma3_dir, setting):
     directory, config = tiny_gemma3_dir
     items, steps, manifest = _run_and_check(
@@ -246,6 +248,7 @@ def test_attention_logit_softcapping_is_refused_in_one_line(tmp_path, workload):
 
 @pytest.mark.smollm2
 @pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.slow  # make test-full: keeps make test near 12 minutes
 def test_foreign_workload_on_bundled_smollm2(tmp_path, workload, setting):
     # Two items (the log and the multilingual one) keep the 30-layer model's two cells near 30 s each.
     items, steps, manifest = _run_and_check(tmp_path / "cell", workload, ["model=smollm2"], setting, 30, 3, n_items=2)
