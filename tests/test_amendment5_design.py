@@ -11,7 +11,6 @@ plan's smoke version (two scorers, two allocators, two shares, one Poisson seed)
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -24,17 +23,14 @@ import pytest
 import yaml
 
 from kvcert.analysis import prereg
+from helpers.scripts import workflow_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "workflow" / "scripts"
 DRAFT = ROOT / "preregistration" / "amendment-5" / "amendment.yaml"
 
 
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_script = workflow_script
 
 
 @pytest.fixture(scope="module")

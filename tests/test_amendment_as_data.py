@@ -10,7 +10,6 @@ here are the locked files'; nothing is run.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -19,17 +18,13 @@ import yaml
 
 from kvcert.analysis import registry
 from kvcert.analysis.errors import AnalysisError
+from helpers.scripts import workflow_script
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "workflow" / "scripts"
 FIVE = ROOT / "preregistration" / "amendment-5"
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+_script = workflow_script
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ Every number here is test data, never a result.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -31,6 +30,7 @@ import yaml
 
 from kvcert.analysis import cli, prereg, registry
 from kvcert.scales import cell_overrides, load_scale, studies
+from helpers.scripts import workflow_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "workflow" / "scripts"
@@ -41,11 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.smollm2]
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return workflow_script(name, register=True)
 
 
 def _copy(root: Path, upto: int = 4) -> Path:
@@ -90,6 +86,31 @@ def _smoke_sized_power(folder: Path) -> None:
 
 def _own_files(pilot: str) -> list[str]:
     return [f for f in OWN_FILES if pilot == "staged" or f != "pilot.csv"]  # reusing a population writes no rows
+
+
+def _locked_design_study(root: Path, version: int) -> tuple[dict, dict]:
+    """A scale v<version> in root's workflow/scales whose one study applies amendment <version>'s locked design
+    (SmolLM2 only); returns (scale, its study)."""
+    scales = root / "workflow" / "scales"
+    scales.mkdir(parents=True)
+    (scales / f"v{version}.yaml").write_text(yaml.safe_dump({
+        "outdir": "results", "figure_dir": "figures", "threads_per_cell": 1, "prereg_scale": "default",
+        "models": {"smollm2": ["model=smollm2"]},
+        "studies": {f"v{version}": {"design": {"file": f"../../preregistration/amendment-{version}/design.yaml",
+                                               "study": "powered.study"}}}}))
+    scale = load_scale(f"v{version}", scales)
+    return scale, studies(scale)[f"v{version}"]
+
+
+def _run_cells(scale: dict, study: dict, out_root: Path) -> list[str]:
+    """Every cell of the study through kvcert-run, one thread each; returns the cell folders in the study's order."""
+    folders = []
+    for name, cell in study["cells"].items():
+        out = out_root / name
+        subprocess.run([str(BIN / "kvcert-run"), *cell_overrides(scale, cell), "threads=1", "progress=false",
+                        f"out_dir={out}"], check=True, capture_output=True, text=True)
+        folders.append(str(out))
+    return folders
 
 
 @pytest.mark.parametrize("pilot", [pytest.param("staged", marks=pytest.mark.long), "reuse_population"])
@@ -142,22 +163,9 @@ def test_a_throwaway_amendment_runs_from_data_alone(tmp_path, pilot):
     assert json.loads((root / v5.lock).read_text())["files"] == list(v5.files)
 
     # Study: a scale that references the locked design; its cells run, then every claim under version 5.
-    scales = root / "workflow" / "scales"
-    scales.mkdir(parents=True)
-    (scales / "v5.yaml").write_text(yaml.safe_dump({
-        "outdir": "results", "figure_dir": "figures", "threads_per_cell": 1, "prereg_scale": "default",
-        "models": {"smollm2": ["model=smollm2"]},
-        "studies": {"v5": {"design": {"file": "../../preregistration/amendment-5/design.yaml",
-                                      "study": "powered.study"}}}}))
-    scale = load_scale("v5", scales)
-    study = studies(scale)["v5"]
+    scale, study = _locked_design_study(root, 5)
     assert study["prereg"] == 5 and sorted(study["cells"]) == ["oracle-smollm2", "qa-smollm2", "streaming-smollm2"]
-    cells = []
-    for name, cell in study["cells"].items():
-        out = tmp_path / "cells" / name
-        subprocess.run([str(BIN / "kvcert-run"), *cell_overrides(scale, cell), "threads=1", "progress=false",
-                        f"out_dir={out}"], check=True, capture_output=True, text=True)
-        cells.append(str(out))
+    cells = _run_cells(scale, study, tmp_path / "cells")
     for claim in ("c1", "c2", "c3", "c4", "c5", "c6", "c7"):
         result = cli.run({"claim": claim, "cells": cells, "prereg_root": str(root), "prereg_version": 5,
                           "figures": False, "n_boot": 20, "out": str(tmp_path / "claims" / f"{claim}.json")})
@@ -246,22 +254,9 @@ def test_a_throwaway_amendment_of_amendment_5s_shape_runs_from_data_alone(tmp_pa
     prereg.write_lock(root, number=6)
     prereg.verify_lock(root, 6)
 
-    scales = root / "workflow" / "scales"
-    scales.mkdir(parents=True)
-    (scales / "v6.yaml").write_text(yaml.safe_dump({
-        "outdir": "results", "figure_dir": "figures", "threads_per_cell": 1, "prereg_scale": "default",
-        "models": {"smollm2": ["model=smollm2"]},
-        "studies": {"v6": {"design": {"file": "../../preregistration/amendment-6/design.yaml",
-                                      "study": "powered.study"}}}}))
-    scale = load_scale("v6", scales)
-    study = studies(scale)["v6"]
+    scale, study = _locked_design_study(root, 6)
     assert study["prereg"] == 6 and sorted(study["cells"]) == sorted(cells)
-    ran = []
-    for name, cell in study["cells"].items():
-        out = tmp_path / "cells" / name
-        subprocess.run([str(BIN / "kvcert-run"), *cell_overrides(scale, cell), "threads=1", "progress=false",
-                        f"out_dir={out}"], check=True, capture_output=True, text=True)
-        ran.append(str(out))
+    ran = _run_cells(scale, study, tmp_path / "cells")
     results = {}
     for claim in ("c1", "c2", "c3", "c4", "c5", "c6", "c7"):
         results[claim] = cli.run({"claim": claim, "cells": ran, "prereg_root": str(root), "prereg_version": 6,

@@ -7,12 +7,12 @@ that loses hand-written numbers must lower its entry. docs/history.md is the dat
 when): its numbers are records of a date, not statements about the code or the results now, and are not counted.
 Pure text, no model: a second or two."""
 
-import functools
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+
+from helpers.scripts import render_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
@@ -27,12 +27,7 @@ HAND_WRITTEN = {
 }
 
 
-@functools.lru_cache(maxsize=None)  # one module: its table caches serve every page
-def renderer():
-    spec = importlib.util.spec_from_file_location("render_docs", ROOT / "workflow" / "scripts" / "render_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+renderer = render_docs  # one module: its table caches serve every page
 
 
 def name(page):

@@ -3,8 +3,6 @@ file or a module can decide is checked here, so that an edit of one without the 
 no DAG; reads results/, workflow/scales/, the Makefile, pyproject.toml and a few kvcert modules."""
 
 import csv
-import functools
-import importlib.util
 import json
 import re
 from collections import defaultdict
@@ -15,6 +13,7 @@ import yaml
 
 from kvcert.analysis.prereg import versions
 from kvcert.scales import exploratory, load_scale, studies
+from helpers.scripts import load_module, render_docs, workflow_script
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = versions(ROOT)
@@ -38,12 +37,7 @@ def text(path):
     return path.read_text(encoding="utf-8")
 
 
-@functools.lru_cache(maxsize=None)  # one module serves every page's tables
-def render_script():
-    spec = importlib.util.spec_from_file_location("render_docs", ROOT / "workflow" / "scripts" / "render_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+render_script = render_docs  # one module serves every page's tables
 
 
 def rows(path):
@@ -460,10 +454,7 @@ def test_sensitivity_table_is_sensitivity_csv():
 
 
 def test_readme_states_verify_results_tolerance():
-    script = ROOT / "workflow" / "scripts" / "compare_results.py"
-    spec = importlib.util.spec_from_file_location("compare_results", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = workflow_script("compare_results")
     # README renders both from the script's constants (source const), so that an edit of one moves the other
     readme = " ".join(text(README).split())
     stated = re.search(r"every other number within <!-- value:const file=workflow/scripts/compare_results.py RTOL "
@@ -476,9 +467,7 @@ def test_readme_states_verify_results_tolerance():
 def test_errors_page_lists_every_refusal_of_kvcert_calibrate():
     """docs/errors.md's kvcert-calibrate table has a row for each case of tests/test_calibration_cli.py ({d},
     {file} as the table writes them)."""
-    spec = importlib.util.spec_from_file_location("calibration_cli_cases", ROOT / "tests" / "test_calibration_cli.py")
-    cases = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cases)
+    cases = load_module(ROOT / "tests" / "test_calibration_cli.py", "calibration_cli_cases")
     errors = text(DOCS / "errors.md")
     section = errors[errors.index("#### `kvcert-calibrate`"):]
     section = section[: section.index("\n#### ", 10)]
