@@ -2,7 +2,7 @@
 
 - ``code_fingerprint()``: sha256 over the code that decides a cell's numbers: every file of the installed
   ``kvcert`` package except the analysis package and the scale files' reader (modules, the kernel source,
-  configs, data assets), plus
+  the run configs of ``conf/``, data assets), plus
   the versions of torch and transformers. A cell records it; a resumed cell refuses checkpoints of another;
   the workflow reruns a cell when it changes.
 - ``analysis_fingerprint(root)``: sha256 over the analysis package, its config and the pre-registration
@@ -21,6 +21,7 @@ compute fingerprints while it parses.
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 from functools import lru_cache
 from importlib import metadata
@@ -47,11 +48,20 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def _walk(root: Path) -> list[Path]:
+    """Every path under ``root``, through symbolic links to folders: the package's ``conf`` is a link to the
+    repository's ``configs/run`` in a checkout and a folder in a built wheel, and both hash the same files."""
+    found = []
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        found += [Path(folder) / name for name in (*dirs, *files)]
+    return found
+
+
 def _files(root: Path, exclude: tuple[str, ...] = ()) -> list[Path]:
     """Files under ``root`` in a stable order, without caches and hidden files and outside the ``exclude``d
     sub-paths (relative, e.g. "conf/claim")."""
     out = []
-    for path in sorted(root.rglob("*")):
+    for path in sorted(_walk(root)):
         rel = path.relative_to(root).parts
         if not path.is_file() or any(p in _SKIP_DIRS for p in rel):
             continue
@@ -100,8 +110,9 @@ def analysis_fingerprint(root: str | Path | None = None, package: Path = PACKAGE
 def source_checkout(package: Path = PACKAGE) -> dict:
     """{"commit", "dirty", "reason"} of the git checkout holding ``package``.
 
-    dirty: whether the package's own files (tracked or not) differ from the commit; results written into
-    the same checkout do not count. commit and dirty are None, with the reason, outside a checkout.
+    dirty: whether the package's own files (tracked or not, its linked run configs included) differ from the
+    commit; results written into the same checkout do not count. commit and dirty are None, with the reason,
+    outside a checkout.
     """
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True, timeout=20)
@@ -111,7 +122,9 @@ def source_checkout(package: Path = PACKAGE) -> dict:
         if head.returncode != 0:
             return {"commit": None, "dirty": None,
                     "reason": f"the imported package ({package.name}) is not inside a git checkout"}
-        status = git("status", "--porcelain", "--untracked-files=normal", "--", ".")
+        # the package's files, and the run configs its ``conf`` links to in a checkout (configs/run)
+        linked = [str((package / "conf").resolve())] if (package / "conf").is_symlink() else []
+        status = git("status", "--porcelain", "--untracked-files=normal", "--", ".", *linked)
     except (OSError, subprocess.TimeoutExpired) as err:
         return {"commit": None, "dirty": None, "reason": f"git unavailable ({type(err).__name__})"}
     return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()), "reason": None}
