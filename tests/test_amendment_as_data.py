@@ -210,8 +210,9 @@ def test_a_registered_configuration_column_keeps_the_other_claims_on_its_default
         seen.append(list(tables.items["item_id"]))
 
     run = registry.on_default_configuration({"c1": ClaimDef(lambda *a: None, ("items",))}, run_claim)
-    run("c1", Tables(items=items), {}, {}, None)
+    assert registry.CONFIGURATION_COLUMNS == {"tail_mix": 0.0, "head_attention_share": 0.0}  # the two defenses
     monkeypatch.setattr(registry, "CONFIGURATION_COLUMNS", {})
+    run("c1", Tables(items=items), {}, {}, None)
     registry.register_configuration_column("tail_mix", 0.0)
     run("c1", Tables(items=items), {}, {}, None)
     assert seen == [["a", "b", "c", "d"], ["a", "c"]]

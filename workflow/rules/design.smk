@@ -95,8 +95,9 @@ rule pilot_amendment:
 
 
 rule population_reused:
-    # No stage runs: the population is a locked earlier amendment's (pilot.population_from), copied with where it
-    # came from; the amendment's document is an input here since nothing is computed from the pilot's results.
+    # The population is a locked earlier amendment's (pilot.population_from), copied with where it came from; a
+    # method that also chooses a design value on pilot cells (smallest_defense_covering: the certificate's defenses)
+    # runs them under --cells and adds its choice. The document is a parameter, as above.
     output:
         population=f"{AMENDMENT_FOLDER}/population.yaml",
     log:
@@ -106,9 +107,10 @@ rule population_reused:
     params:
         document=amendment_document,
         method=lambda wc: designed(wc).pilot,
+    threads: 2  # a pilot that runs cells runs two at a time, one thread each (power.timing.cores)
     shell:
         "python {DESIGN_SCRIPTS}/pilot.py --method {params.method} --amendment {params.document} "
-        "--out {output.population} > {log} 2>&1"
+        "--cells {OUT}/amendment-{wildcards.n}-pilot --out {output.population} > {log} 2>&1"
 
 
 rule timing_amendment:

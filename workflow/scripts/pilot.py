@@ -24,6 +24,15 @@ it came from and the file's sha256; the amendment's only pilot computation is th
 
     python workflow/scripts/pilot.py --method reuse_population --amendment preregistration/amendment-5/amendment.yaml \
         --out preregistration/amendment-5/population.yaml
+
+Method ``smallest_defense_covering`` (amendment 6's; ``pilot.grid``, ``pilot.share``, ``pilot.target``): the reused
+population, then the pilot's oracle cells (every scorer and allocator of the plan at ``pilot.share``, for every grid
+point of the certificate's two defenses) on pilot items, and the rule ``smallest_covering``: the smallest
+(eta, lambda), eta first, at which every configuration's pilot coverage reaches ``pilot.target``. Its estimated cost
+(from ``pilot.cost_from``'s measured times) is printed first; ``--estimate`` prints it and runs nothing.
+
+    python workflow/scripts/pilot.py --method smallest_defense_covering --estimate \
+        --amendment preregistration/amendment-6/amendment.yaml
 """
 
 from __future__ import annotations
@@ -564,6 +573,192 @@ def reuse_population(args, pilot: dict) -> None:
     write_text_atomic(yaml.safe_dump(doc, sort_keys=False, width=110), args.out)
 
 
+# --- the defensive pilot (amendment 6's): the smallest defense on a grid at which every configuration covers -------
+#
+# pilot.grid names the two defenses' values (design_options.head_attention_share, eta, and design_options.tail_mix,
+# lambda); the pilot's oracle cells run every (scorer, allocator) of the plan at pilot.share for every grid point on
+# pilot items (pilot.items_seed, pilot.n_items per model, pilot.poisson_seeds) and the rule below picks the point.
+
+DEFENSES = ("head_attention_share", "tail_mix")  # eta, lambda: the rule's order (eta first)
+
+
+def defense_order(points) -> list[tuple[float, float]]:
+    """The grid's (eta, lambda) points, smallest first, eta first: by eta, then by lambda."""
+    return sorted({(float(eta), float(lam)) for eta, lam in points})
+
+
+def smallest_covering(coverage: dict[tuple[float, float], dict[str, float]], target: float) -> dict:
+    """The pilot's rule on a coverage table: {(eta, lambda): {configuration: pilot coverage}}, every point with the
+    same configurations. The first point in ``defense_order`` at which every configuration's coverage reaches
+    ``target`` is chosen (covers: true). If none does, the point whose smallest coverage is largest is chosen, the
+    earlier in ``defense_order`` on a tie (covers: false): the study then measures the best defense the grid has,
+    and says that no point covered at the pilot."""
+    if not coverage:
+        raise SystemExit("pilot coverage: no grid point has a coverage")
+    order = defense_order(coverage)
+    configurations = set(coverage[order[0]])
+    for point in order:
+        if set(coverage[point]) != configurations or not configurations:
+            missing = sorted(configurations ^ set(coverage[point])) or ["every configuration"]
+            raise SystemExit(f"pilot coverage: grid point eta={point[0]:g}, lambda={point[1]:g} lacks "
+                             f"{', '.join(missing)}")
+    smallest = {point: min(coverage[point].values()) for point in order}
+    covering = [point for point in order if smallest[point] >= target - 1e-12]
+    chosen = covering[0] if covering else max(order, key=lambda p: (smallest[p], -order.index(p)))
+    return {"head_attention_share": chosen[0], "tail_mix": chosen[1], "covers": bool(covering),
+            "smallest_coverage": round(float(smallest[chosen]), 4)}
+
+
+def _resize_script():
+    """workflow/scripts/resize_design.py as a module: the plan's cells (its registered plan methods)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("amendment_resize_design", Path(__file__).with_name("resize_design.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def defense_pilot_spec(doc: dict) -> dict:
+    """The plan of the pilot's cells: the amendment's plan (scorers, allocators, budgets) at pilot.share, crossed with
+    pilot.grid, Poisson seeds pilot.poisson_seeds."""
+    pilot, plan = doc["pilot"], doc["plan"]
+    grid = pilot["grid"]
+    labels = {f["override"].removeprefix("design_options."): f["label"] for f in plan["factors"]}
+    factors = [{"override": "design_options.head_fraction", "label": labels.get("head_fraction", "share"),
+                "values": [pilot["share"]]}]
+    factors += [{"override": f"design_options.{d}", "label": labels.get(d, d), "values": list(grid[d])}
+                for d in reversed(DEFENSES)]
+    return {**plan, "factors": factors, "poisson_seeds": list(pilot["poisson_seeds"])}
+
+
+def defense_pilot_cells(doc: dict, population: dict) -> dict[str, dict]:
+    """{cell name: {model, kind, shards, overrides}} of the pilot: the oracle cells of the plan's cell method over
+    ``defense_pilot_spec``, pilot.n_items items each (data seed pilot.items_seed)."""
+    resize = _resize_script()
+    spec = defense_pilot_spec(doc)
+    plan = methods("plan")[spec["method"]]
+    n, seed = int(doc["pilot"]["n_items"]), int(doc["pilot"]["items_seed"])
+    counts = {f"{kind}-{m}": n for m in population["models"] for kind in resize.KINDS}
+    cells = plan(population, counts, {kind: seed for kind in resize.KINDS}, spec)
+    return {name: cell for name, cell in cells.items() if cell.get("kind") == "oracle"}
+
+
+def defense_pilot_cost(doc: dict, cells: dict[str, dict], root: Path) -> dict:
+    """The pilot's cost before it runs, from measured times (pilot.cost_from, a timing.yaml whose cells ran the plan's
+    Poisson seeds at pilot.share without defenses): a pilot cell costs its undefended cell's seconds per item, times
+    its share of the Poisson seeds. Returns cell-seconds and wall minutes at power.timing.cores cells at a time."""
+    import re
+
+    pilot = doc["pilot"]
+    timing = yaml.safe_load((root / pilot["cost_from"]).read_text())["measured"]
+    seeds = len(pilot["poisson_seeds"]) / len(doc["plan"]["poisson_seeds"])
+    labels = "|".join(re.escape(str(f["label"])) for f in doc["plan"]["factors"][1:])
+    per_item = {}
+    for name in cells:
+        measured_as = re.sub(rf"-({labels})[0-9.]+", "", name) if labels else name
+        if measured_as not in timing:
+            raise SystemExit(f"{pilot['cost_from']}: no measured time for {measured_as} (pilot cell {name})")
+        per_item[name] = float(timing[measured_as]["per_item_median"]) * seeds
+    total = sum(per_item.values()) * int(pilot["n_items"])
+    cores = int(doc["power"]["timing"]["cores"])
+    return {"cells": len(cells), "items_per_cell": int(pilot["n_items"]), "cell_seconds": round(total),
+            "cores": cores, "wall_minutes": round(total / cores / 60, 1)}
+
+
+def pilot_coverage(cells: Path, names: list[str], delta: float) -> dict[tuple[float, float], dict[str, float]]:
+    """{(eta, lambda): {"scorer,allocator": coverage}} from the pilot cells' steps tables: the share of Poisson step
+    rows (finite true and estimated error) whose true attention-output error is at most the certificate
+    sqrt(trace_var / delta), rows pooled over the cells' models, items, budgets and seeds (C3's estimator)."""
+    import numpy as np
+    import pandas as pd
+
+    counts: dict[tuple, list[float]] = {}
+    for name in names:
+        path = cells / name / "shard-0" / "steps.parquet"
+        try:
+            steps = pd.read_parquet(path)
+        except Exception as error:  # a missing or unreadable table, named
+            raise SystemExit(f"{path}: unreadable ({type(error).__name__})") from None
+        for column in ("policy", "design", "true_err", "trace_var"):
+            if column not in steps.columns:
+                raise SystemExit(f"{path}: no column {column}")
+        rows = steps[steps["design"] == "poisson"]
+        err, var = rows["true_err"].to_numpy(float), rows["trace_var"].to_numpy(float)
+        ok = np.isfinite(err) & np.isfinite(var)
+        covered = err <= np.sqrt(np.where(ok, var, 0.0) / delta)
+        allocator = (rows["allocator"].fillna("uniform").astype(str) if "allocator" in rows.columns
+                     else pd.Series("uniform", index=rows.index))
+        point = tuple(float(rows[d].iloc[0]) if d in rows.columns and len(rows) else 0.0 for d in DEFENSES)
+        for (policy, alloc), index in pd.DataFrame({"p": rows["policy"].astype(str), "a": allocator}).groupby(
+                ["p", "a"]).indices.items():
+            found = counts.setdefault((point, f"{policy},{alloc}"), [0.0, 0.0])
+            found[0] += float(covered[index][ok[index]].sum())
+            found[1] += float(ok[index].sum())
+    out: dict[tuple[float, float], dict[str, float]] = {}
+    for (point, configuration), (hit, n) in sorted(counts.items()):
+        if n:
+            out.setdefault(point, {})[configuration] = hit / n
+    return out
+
+
+@register_method("pilot", "smallest_defense_covering", steps="whole")
+def smallest_defense_covering(args, pilot: dict) -> None:
+    """Amendment 6's method: the reused population (pilot.population_from) plus the defense the pilot chose
+    (``chosen``: eta and lambda by ``smallest_covering``) and the pilot's coverage table (``defense_pilot``)."""
+    from kvcert.analysis import prereg
+    from kvcert.scales import cell_overrides
+
+    doc = amendment_data(args.amendment)
+    root = prereg.find_root(Path(args.amendment).resolve().parent)
+    population = reused_population(args.amendment, pilot)
+    cells = defense_pilot_cells(doc, population)
+    cost = defense_pilot_cost(doc, cells, root)
+    print(f"pilot: {cost['cells']} oracle cells x {cost['items_per_cell']} items, estimated {cost['cell_seconds']} "
+          f"cell-seconds, about {cost['wall_minutes']} minutes on {cost['cores']} cores", file=sys.stderr, flush=True)
+    if args.estimate:
+        return
+    if args.cells is None:
+        raise SystemExit(f"--method {args.method}: needs --cells (the folder of the pilot's cells)")
+    _run_pilot_cells(cells, args.cells, cost["cores"])
+    delta = float(prereg.load_claims(root)["conventions"]["delta"])
+    coverage = pilot_coverage(args.cells, sorted(cells), delta)
+    chosen = smallest_covering(coverage, float(pilot["target"]))
+    table = [{"head_attention_share": eta, "tail_mix": lam, **{c: round(v, 4) for c, v in sorted(row.items())}}
+             for (eta, lam), row in sorted(coverage.items())]
+    out = {**population, "chosen": chosen,
+           "defense_pilot": {"rule": shown_path(args.amendment) + ": pilot", "share": pilot["share"],
+                             "target": pilot["target"], "items_seed": pilot["items_seed"],
+                             "items_per_model": pilot["n_items"], "estimated": cost, "coverage": table}}
+    write_text_atomic(yaml.safe_dump(out, sort_keys=False, width=110), args.out)
+
+
+def _run_pilot_cells(cells: dict[str, dict], out_dir: Path, cores: int) -> None:
+    """Every pilot cell through kvcert-run (one thread each, ``cores`` at a time); a cell whose manifest exists is
+    kept (a rerun resumes). Progress: one bar over the cells."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    command = str(Path(sys.executable).with_name("kvcert-run"))
+
+    def run(item):
+        name, cell = item
+        target = Path(out_dir) / name / "shard-0"
+        if (target / "manifest.json").is_file():
+            return
+        done = subprocess.run([command, f"model={cell['model']}", *cell["overrides"], "threads=1", "progress=false",
+                               f"out_dir={target}"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"pilot cell {name} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max_workers=cores) as pool:
+        for _ in tqdm(pool.map(run, sorted(cells.items())), total=len(cells), desc="pilot cells", file=sys.stderr):
+            pass
+
+
 # The pilot methods, by the name a version's data gives (kvcert.analysis.prereg.Version.pilot), as registered above
 # (kvcert.analysis.registry, kind "pilot"): `threshold` (variants in order until one passes a threshold), `staged`
 # (stages A-D) and `reuse_population` (a locked population, no stage). A new pilot rule is one more registered
@@ -587,13 +782,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--amendment", type=Path, required=True)
     parser.add_argument("--model", help="a bundled model name (smollm2, gemma3) or model spec (every method but "
                         "reuse_population, which runs no model)")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="the method's output (every method; not with --estimate)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--round", type=int, default=1, help="threshold: 2 runs the variants of pilot.round_2")
     parser.add_argument("--smoke", action="store_true", help="staged: 2 items of one variant, bands open")
+    parser.add_argument("--cells", type=Path, help="smallest_defense_covering: the folder of the pilot's cells")
+    parser.add_argument("--estimate", action="store_true",
+                        help="smallest_defense_covering: print the pilot's estimated cost and run nothing")
     args = parser.parse_args(argv)
     if args.model is None and POPULATION_STEPS.get(args.method) != "whole":
         parser.error(f"--method {args.method} needs --model")
+    if args.out is None and not args.estimate:
+        parser.error("--out is required (but with --estimate)")
     PILOTS[args.method](args, amendment_data(args.amendment)["pilot"])
     return 0
 

@@ -413,6 +413,39 @@ def floors_then_scale(doc: dict, spec: dict, population: dict, power: dict, timi
     return {"rule": f"amendment {doc['version']}'s power.budget", **out}
 
 
+@register_method("design", "c3_first_then_scale")
+def c3_first_then_scale(doc: dict, spec: dict, population: dict, power: dict, timing: dict, budget_seconds: float,
+                        seeds: dict[str, int], plan) -> dict:
+    """Amendment 6's power.budget: the powered design (power.yaml's items per model) and the 90-minute one, which
+    keeps the question-aware and streaming cells at ``power.ninety_minutes``' items per model (never above the
+    powered counts) and scales every oracle cell by one common factor (``resize``, rounded down, at most 1) to fill
+    the budget: C3 first. A cell type's cost per item is the sum of its cells' measured medians (timing.yaml)."""
+    cells_of = functools.partial(plan, spec=spec)
+    per_model, fixed = power["per_model"], doc["power"]["ninety_minutes"]
+    full, kept = {}, {}
+    for model in population["models"]:
+        full.update({f"qa-{model}": int(per_model["question_aware"]), f"oracle-{model}": int(per_model["oracle"]),
+                     f"streaming-{model}": int(per_model["streaming"])})
+        kept.update({f"qa-{model}": min(int(fixed["question_aware_per_model"]), full[f"qa-{model}"]),
+                     f"streaming-{model}": min(int(fixed["streaming_per_model"]), full[f"streaming-{model}"])})
+    types: dict[str, list[str]] = {}
+    for name in cells_of(population, full, seeds):
+        types.setdefault(cell_type(name), []).append(name)
+    missing = [c for names in types.values() for c in names if c not in timing]
+    if missing:
+        raise SystemExit(f"timing.yaml: no measured time for cell(s) {', '.join(missing)}")
+    cost = {t: sum(float(timing[c]["per_item_median"]) for c in names) for t, names in types.items()}
+    cells = {t: {"items": n, "seconds": n * cost[t], "per_item_median": cost[t]} for t, n in {**full, **kept}.items()}
+    scaled = resize(cells, budget_seconds, keep=("qa", "streaming"))
+    return {"rule": f"amendment {doc['version']}'s power.budget",
+            "cost_per_item": {t: round(c, 2) for t, c in sorted(cost.items())},
+            "powered": {"counts": full, "estimated_cell_seconds": round(sum(full[t] * cost[t] for t in full)),
+                        "study": {"prereg": int(doc["version"]), "cells": cells_of(population, full, seeds)}},
+            "reproduce_90_minutes": {**scaled, "study": {"prereg": int(doc["version"]),
+                                                         "cells": cells_of(population, scaled["counts"], seeds)}},
+            "fits": all(scaled["counts"][t] >= full[t] for t in full)}
+
+
 def main() -> None:
     import sys
 

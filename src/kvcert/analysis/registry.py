@@ -187,13 +187,19 @@ def analysis(version) -> Analysis:
 # Configuration columns a later design factor adds to the items and steps tables (beyond strata's allocator and
 # head_fraction), each with the value a row without the column ran at: {column: default}. A module that adds a
 # factor registers its column (``register_configuration_column``); the claims not decided per configuration then
-# read the rows at its default only. None is registered today, so every committed table is read as before.
+# read the rows at its default only. Registered: the certificate's two defenses (design_options.tail_mix and
+# head_attention_share, default 0; amendment 6's factors, split per configuration by kvcert.analysis.defended). No
+# committed table has either column, so every committed table is read as before.
 CONFIGURATION_COLUMNS: dict[str, float] = {}
 
 
 def register_configuration_column(column: str, default: float) -> None:
     if CONFIGURATION_COLUMNS.setdefault(column, default) != default:
         raise ValueError(f"configuration column {column!r} is registered with default {CONFIGURATION_COLUMNS[column]}")
+
+
+register_configuration_column("tail_mix", 0.0)
+register_configuration_column("head_attention_share", 0.0)
 
 
 def _at_defaults(tables: Tables) -> Tables:
