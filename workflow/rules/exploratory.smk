@@ -13,8 +13,9 @@ CERTIFIED_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysi
 ACCURACY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "accuracy"]
 CERTIFIED_TABLES = ("summary", "coverage_by_layer", "coverage_by_step", "targets", "certificate_flags",
                     "certificate_items", "certificate_heads")
-# Held-out checks: a certified-budgets study whose `check` names the study it is checked against and its criterion
-# (workflow/scripts/heldout_check.py), written before the check's cells ran.
+# Held-out checks: a certified-budgets study whose `check` names the study it is checked against; its criterion is
+# the scale's locked spec (preregistration/exploratory/<scale>.yaml, kvcert.analysis.heldout), written before the
+# check's cells ran.
 CHECKED_STUDIES = [name for name in CERTIFIED_STUDIES if S["exploratory"][name].get("check")]
 
 EXPLORATORY_OUTPUTS = [
@@ -23,7 +24,7 @@ EXPLORATORY_OUTPUTS = [
     *(path for name in CERTIFIED_STUDIES
       for path in (*(f"{OUT}/{name}/{table}.csv" for table in CERTIFIED_TABLES),
                    f"{FIG}/{name}/{name}.png", f"{FIG}/{name}/{name}.pdf")),
-    *(f"{OUT}/{name}/check.csv" for name in CHECKED_STUDIES),
+    *(f"{OUT}/{name}/{table}.csv" for name in CHECKED_STUDIES for table in ("check", "decisions")),
     *(f"{OUT}/{name}/paired.csv" for name in CHECKED_STUDIES),
     *(f"{OUT}/{name}/accuracy.csv" for name in ACCURACY_STUDIES),
 ]
@@ -110,14 +111,18 @@ rule certified_budgets_check:
     input:
         summary=f"{OUT}/{{name}}/summary.csv",
         study=lambda wc: S["exploratory"][wc.name]["check"]["against"],
+        spec=f"preregistration/exploratory/{SCALE_NAME}.yaml",
+        lock=f"preregistration/exploratory/{SCALE_NAME}.lock",
     output:
-        f"{OUT}/{{name}}/check.csv",
+        check=f"{OUT}/{{name}}/check.csv",
+        decisions=f"{OUT}/{{name}}/decisions.csv",
     log:
         f"{OUT}/logs/{{name}}-check.log",
     wildcard_constraints:
         name="|".join(CHECKED_STUDIES) or "no-held-out-check",
     params:
         analysis=ANALYSIS_FINGERPRINT,
+        scale=SCALE_NAME,
         check=lambda wc: dict(S["exploratory"][wc.name]["check"]),
     script:
         "../scripts/heldout_check.py"

@@ -1,19 +1,8 @@
-"""A certified-budgets held-out check's pre-registered criterion (rule ``certified_budgets_check``): the check's
-``summary.csv`` against the study's (the scale's ``check.against``), written before the check's cells ran
-(workflow/scales/certified-budgets-heldout-2.yaml; certified-budgets-heldout-3.yaml applies it to the floored
-targets, against certified-budgets-floor's summary). Exploratory: no claim reads it.
-
-One row of ``check.csv`` per model and target configuration of the check (``target <eps>`` at the study's cap,
-``target <eps> cap <budget>`` at another), beside the study's row of the same model and configuration:
-
-* memory: the kept fraction is below the fixed budget's (the scale's ``check.fixed``, e.g. ``fixed poisson 0.5``)
-  and the accuracy is at least that budget's;
-* coverage: both ends of the bracket of the coverage of eps (``coverage_low``: certainly within eps,
-  ``coverage_high``: possibly within; workflow/scripts/certified_budgets.py) lie within ``check.margin`` of the
-  study's;
-* holds: memory and coverage.
-
-Beside them, with no verdict: the accuracy of the full cache and of the other fixed budgets at the same fraction.
+"""A certified-budgets held-out check (rule ``certified_budgets_check``): its locked spec
+(``preregistration/exploratory/<scale>.yaml``, frozen by ``kvcert-prereg lock --exploratory <scale>``) decided by
+kvcert.analysis.heldout on the check's ``summary.csv`` against the spec's reference. Writes ``check.csv`` (one row per
+model and target configuration) and ``decisions.csv`` (the spec's decisions, e.g. check 3's floor). Exploratory: no
+claim reads it. The criterion and its columns: kvcert.analysis.heldout.
 """
 
 # No `from __future__` import: Snakemake runs this file through `script:`, which puts its own preamble first.
@@ -21,70 +10,35 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvcert.analysis.errors import AnalysisError
+from kvcert.analysis.heldout import check_table, decisions, load_spec, verify_spec_lock
 from kvcert.atomic import write_text_atomic
 
-COLUMNS = ["model", "configuration", "target_error", "kept_fraction", "accuracy", "fixed", "fixed_kept_fraction",
-           "fixed_accuracy", "memory_holds", "coverage_low", "coverage_high", "study_coverage_low",
-           "study_coverage_high", "coverage_gap", "coverage_holds", "holds", "full_accuracy", "other_fixed",
-           "other_fixed_accuracy"]
-# Rounding of the tables (6 decimals) must not turn a gap of exactly the margin into a miss.
-TOLERANCE = 1e-9
 
-
-def _row(table: pd.DataFrame, model: str, configuration: str, source: str) -> pd.Series:
-    found = table[(table["model"] == model) & (table["configuration"] == configuration)]
-    if len(found) != 1:
-        raise ValueError(f"{source}: {len(found)} rows of model={model} configuration={configuration!r}; "
-                         "the check needs exactly one")
-    return found.iloc[0]
-
-
-def heldout_check(summary: pd.DataFrame, study: pd.DataFrame, fixed: str, margin: float,
-                  study_source: str = "the study's summary.csv") -> pd.DataFrame:
-    """check.csv's rows (COLUMNS) for every target configuration of ``summary`` (the check's summary.csv).
-
-    summary, study: summary.csv tables (workflow/scripts/certified_budgets.py); fixed: the configuration the
-    memory part compares with; margin: the coverage part's largest difference of either bracket end.
-    """
-    if not 0 <= margin < 1:
-        raise ValueError(f"check.margin={margin!r}: must lie in [0, 1)")
-    rows = []
-    targets = summary[summary["configuration"].str.startswith("target ")]
-    if targets.empty:
-        raise ValueError("the check's summary.csv holds no target configuration")
-    fixed_fraction = fixed.rsplit(" ", 1)[-1]
-    for _, t in targets.iterrows():
-        model, eps = t["model"], float(t["target_error"])
-        base = _row(summary, model, fixed, "the check's summary.csv")
-        full = _row(summary, model, "full", "the check's summary.csv")
-        reference = _row(study, model, t["configuration"], study_source)
-        low, high = f"coverage_low_{eps:g}", f"coverage_high_{eps:g}"
-        gap = max(abs(t[low] - reference[low]), abs(t[high] - reference[high]))
-        memory = bool(t["kept_fraction"] < base["kept_fraction"] and t["accuracy"] >= base["accuracy"])
-        coverage = bool(gap <= margin + TOLERANCE)
-        others = summary[(summary["model"] == model) & summary["configuration"].str.startswith("fixed ")
-                         & summary["configuration"].str.endswith(f" {fixed_fraction}")
-                         & (summary["configuration"] != fixed)]
-        rows.append({"model": model, "configuration": t["configuration"], "target_error": eps,
-                     "kept_fraction": t["kept_fraction"], "accuracy": t["accuracy"], "fixed": fixed,
-                     "fixed_kept_fraction": base["kept_fraction"], "fixed_accuracy": base["accuracy"],
-                     "memory_holds": memory, "coverage_low": t[low], "coverage_high": t[high],
-                     "study_coverage_low": reference[low], "study_coverage_high": reference[high],
-                     "coverage_gap": gap, "coverage_holds": coverage, "holds": memory and coverage,
-                     "full_accuracy": full["accuracy"],
-                     "other_fixed": "; ".join(others["configuration"]),
-                     "other_fixed_accuracy": "; ".join(f"{a:g}" for a in others["accuracy"])})
-    return pd.DataFrame(rows, columns=COLUMNS)
-
-
-def main(summary: Path, study: Path, fixed: str, margin: float, out: Path) -> None:
-    if not Path(study).is_file():
-        raise SystemExit(f"check.against={study}: no such file (the study's summary.csv, committed with the study)")
-    table = heldout_check(pd.read_csv(summary), pd.read_csv(study), fixed, float(margin), str(study))
+def main(summary: Path, scale: str, root: Path, check: dict, out: Path, decisions_out: Path) -> None:
+    """summary: the check's summary.csv; scale: its scale, whose spec decides; check: the scale's ``check`` keys,
+    which must name what the spec names (against, fixed, margin)."""
+    try:
+        spec = load_spec(root, scale)
+        verify_spec_lock(root, scale)
+        named = {"against": spec.against, "fixed": spec.fixed, "margin": spec.margin}
+        differ = [k for k, v in named.items() if k in check and (float(check[k]) if k == "margin" else
+                                                                  str(check[k])) != v]
+        if differ:
+            raise AnalysisError(f"{scale}.yaml: check.{differ[0]}={check[differ[0]]!r} differs from the locked "
+                                f"{spec.path}'s {named[differ[0]]!r}")
+        reference = Path(root) / spec.against
+        if not reference.is_file():
+            raise AnalysisError(f"{spec.path}: against={spec.against}: no such file (the reference summary.csv)")
+        table = check_table(pd.read_csv(summary), pd.read_csv(reference), spec, spec.against)
+        decided = decisions(table, spec)
+    except AnalysisError as exc:
+        raise SystemExit(f"heldout_check: {exc}") from None
     write_text_atomic(table.round(6).to_csv(index=False), Path(out))
+    write_text_atomic(decided.to_csv(index=False), Path(decisions_out))
 
 
 if __name__ == "__main__":  # run by Snakemake's script directive
     sm = snakemake  # noqa: F821
-    main(Path(sm.input.summary), Path(sm.input.study), str(sm.params.check["fixed"]), sm.params.check["margin"],
-         Path(sm.output[0]))
+    main(Path(sm.input.summary), str(sm.params.scale), Path.cwd(), dict(sm.params.check), Path(sm.output.check),
+         Path(sm.output.decisions))

@@ -15,12 +15,12 @@ accuracies fix only b − c, the items the target lost (``lost``). So per model 
 """
 
 # No `from __future__` import: Snakemake runs this file through `script:`, which puts its own preamble first.
-import math
 from pathlib import Path
 
 import pandas as pd
-from scipy.stats import binomtest, norm
+from scipy.stats import binomtest
 
+from kvcert.analysis.heldout import target_rows
 from kvcert.atomic import write_text_atomic
 
 COLUMNS = ["model", "configuration", "target_error", "fixed", "n_items", "correct", "fixed_correct", "lost",
@@ -40,7 +40,7 @@ def paired_table(summary: pd.DataFrame, fixed: str, source: str = "summary.csv")
     """paired.csv's rows (COLUMNS): every target configuration of ``summary`` (a check's summary.csv) against the
     configuration ``fixed`` of the same model, which must have decoded as many items."""
     rows = []
-    for _, t in summary[summary["configuration"].str.startswith("target ")].iterrows():
+    for _, t in target_rows(summary).iterrows():
         found = summary[(summary["model"] == t["model"]) & (summary["configuration"] == fixed)]
         if len(found) != 1:
             raise ValueError(f"{source}: {len(found)} rows of model={t['model']} configuration={fixed!r}; the "
@@ -59,19 +59,6 @@ def paired_table(summary: pd.DataFrame, fixed: str, source: str = "summary.csv")
     if not rows:
         raise ValueError(f"{source}: no target configuration")
     return pd.DataFrame(rows, columns=COLUMNS)
-
-
-def noninferiority_items(discordance: float, margin: float, alpha: float, power: float) -> int:
-    """Items a future check needs (docs/studies/certified-budgets.md, "The rule for future held-out checks"): the
-    smallest n at which a one-sided level-``alpha`` paired test of "the fixed budget's accuracy minus the target's
-    is below ``margin``" (both as shares of the items) has power ``power`` when the two are equal and answer
-    differently on a share ``discordance`` of the items. To first order (the difference's variance is
-    discordance / n when the two are equal): n = (z(1 − alpha) + z(power))² · discordance / margin²."""
-    for name, value, low, high in (("discordance", discordance, 0, 1), ("margin", margin, 0, 1),
-                                   ("alpha", alpha, 0, 0.5), ("power", power, 0.5, 1)):
-        if not (isinstance(value, (int, float)) and low < value < high):
-            raise ValueError(f"{name}={value!r}: must lie in ({low}, {high})")
-    return math.ceil((norm.ppf(1 - alpha) + norm.ppf(power)) ** 2 * discordance / margin ** 2)
 
 
 def main(summary: Path, fixed: str, out: Path) -> None:

@@ -430,6 +430,10 @@ def render(doc: dict) -> str:
 
 
 def _cmd_lock(args) -> str:
+    if args.exploratory:  # an exploratory study's held-out spec (kvcert.analysis.heldout), no version of the claims
+        from kvcert.analysis.heldout import write_spec_lock
+
+        return f"wrote {write_spec_lock(args.root, args.exploratory, force=args.force)}"
     return f"wrote {write_lock(args.root, force=args.force, number=args.amendment or 1)}"
 
 
@@ -441,9 +445,14 @@ def _cmd_verify(args) -> str:
     upto = args.version or max(n for n in present if n not in drafts)
     verify_lock(args.root, upto)
     locks = [read_lock(args.root, n) for n in range(1, upto + 1)]
+    from kvcert.analysis.heldout import locked_scales, verify_spec_lock
+
+    specs = [(scale, verify_spec_lock(args.root, scale)) for scale in locked_scales(args.root)]
     return "; ".join([f"version {n} lock OK ({len(lock['files'])} files, locked {lock.get('locked_at_utc', '?')})"
                       for n, lock in enumerate(locks, start=1)]
-                     + [f"version {n} is a draft (not locked)" for n in drafts if n > upto])
+                     + [f"version {n} is a draft (not locked)" for n in drafts if n > upto]
+                     + [f"exploratory {scale} lock OK ({len(lock['files'])} files, locked "
+                        f"{lock.get('locked_at_utc', '?')})" for scale, lock in specs])
 
 
 def _renderings(root: Path) -> dict[str, str]:
@@ -482,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     lock = sub.add_parser("lock", help="freeze claims.yaml (or an amendment) and the analysis code")
     lock.add_argument("--force", action="store_true", help="overwrite an existing lock")
     lock.add_argument("--amendment", type=int, default=None, help="lock amendment N instead of version 1")
+    lock.add_argument("--exploratory", default=None, metavar="SCALE",
+                      help="lock the held-out spec preregistration/exploratory/SCALE.yaml with the code deciding it")
     verify = sub.add_parser("verify", help="check the frozen files against every lock")
     verify.add_argument("--version", type=int, default=None, help="check versions 1..N only (default: all)")
     rend = sub.add_parser("render", help="write PREREGISTRATION.md from claims.yaml")
