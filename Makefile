@@ -244,21 +244,24 @@ smoke-reference: smoke
 reproduce: install
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete
 
-## One study, computed from its scale file: make study SCALE=<name> (workflow/scales/<name>.yaml). The documented
+## The scale files (kvcert.scales.SCALES_FOLDER, which the Snakefile and the kvcert tools read; a test holds them equal).
+SCALES_DIR := configs/scales
+
+## One study, computed from its scale file: make study SCALE=<name> (configs/scales/<name>.yaml). The documented
 ## per-study targets below (reproduce-v4, reproduce-v5-full, reproduce-full, ...) call it; a new study needs its
 ## scale file only, no target. `make reproduce` computes the default scale.
 .PHONY: study
 study: install
-	@test "$(origin SCALE)" != file || { echo "make study: SCALE is not set: make study SCALE=<name>, one of: $(sort $(basename $(notdir $(wildcard workflow/scales/*.yaml))))" >&2; exit 2; }
-	@test -f workflow/scales/$(SCALE).yaml || { echo "make study: SCALE=$(SCALE): no workflow/scales/$(SCALE).yaml; one of: $(sort $(basename $(notdir $(wildcard workflow/scales/*.yaml))))" >&2; exit 2; }
+	@test "$(origin SCALE)" != file || { echo "make study: SCALE is not set: make study SCALE=<name>, one of: $(sort $(basename $(notdir $(wildcard $(SCALES_DIR)/*.yaml))))" >&2; exit 2; }
+	@test -f $(SCALES_DIR)/$(SCALE).yaml || { echo "make study: SCALE=$(SCALE): no $(SCALES_DIR)/$(SCALE).yaml; one of: $(sort $(basename $(notdir $(wildcard $(SCALES_DIR)/*.yaml))))" >&2; exit 2; }
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=$(SCALE)
 
-## Version 4's record: amendment 4's 90-minute design (workflow/scales/v4.yaml), the default scale until
+## Version 4's record: amendment 4's 90-minute design (configs/scales/v4.yaml), the default scale until
 ## amendment 5; the time it took is in docs/studies/v4.md.
 reproduce-v4:
 	@$(MAKE) --no-print-directory study SCALE=v4
 
-## Amendment 5's powered design, study v5-full (workflow/scales/v5-full.yaml, read from
+## Amendment 5's powered design, study v5-full (configs/scales/v5-full.yaml, read from
 ## preregistration/amendment-5/design.yaml): estimated 118,268 cell-seconds (about 16.4 hours on 2 cores).
 reproduce-v5-full:
 	@$(MAKE) --no-print-directory study SCALE=v5-full
@@ -269,7 +272,7 @@ reproduce-v5-full:
 reproduce-full:
 	@$(MAKE) --no-print-directory study SCALE=v2-full
 
-## Amendment 4's powered design, study v4-full (workflow/scales/v4-full.yaml, read from
+## Amendment 4's powered design, study v4-full (configs/scales/v4-full.yaml, read from
 ## preregistration/amendment-4/design.yaml): estimated 15,829 cell-seconds (about 2.2 hours); it took 2 h 46 min on 2 cores.
 reproduce-v4-full:
 	@$(MAKE) --no-print-directory study SCALE=v4-full
@@ -299,21 +302,21 @@ sensitivity:
 certified-budgets:
 	@$(MAKE) --no-print-directory study SCALE=certified-budgets
 
-## Its held-out check: the targets on other tasks and another data seed (workflow/scales/certified-budgets-heldout.yaml).
+## Its held-out check: the targets on other tasks and another data seed (configs/scales/certified-budgets-heldout.yaml).
 certified-budgets-heldout:
 	@$(MAKE) --no-print-directory study SCALE=certified-budgets-heldout
 
-## Its second held-out check, pre-registered (workflow/scales/certified-budgets-heldout-2.yaml): a fresh task and data
+## Its second held-out check, pre-registered (configs/scales/certified-budgets-heldout-2.yaml): a fresh task and data
 ## seed, the targets with and without the cap, and check.csv, the criterion's verdict per model, target and cap.
 certified-budgets-heldout-2:
 	@$(MAKE) --no-print-directory study SCALE=certified-budgets-heldout-2
 
-## The targets with a per-head floor at half the cap, on the study's items (workflow/scales/certified-budgets-floor.yaml):
+## The targets with a per-head floor at half the cap, on the study's items (configs/scales/certified-budgets-floor.yaml):
 ## the remedy chosen after the second check; with the study's targets and fixed budgets made again beside it.
 certified-budgets-floor:
 	@$(MAKE) --no-print-directory study SCALE=certified-budgets-floor
 
-## The floor's held-out check, pre-registered with it (workflow/scales/certified-budgets-heldout-3.yaml): a fresh
+## The floor's held-out check, pre-registered with it (configs/scales/certified-budgets-heldout-3.yaml): a fresh
 ## task and data seed; check.csv against certified-budgets-floor's summary (run make certified-budgets-floor first).
 certified-budgets-heldout-3:
 	@$(MAKE) --no-print-directory study SCALE=certified-budgets-heldout-3
@@ -331,7 +334,7 @@ pilot-amendment: install model
 ## Recompute committed studies into results/verify and compare their rows of claims.csv, reproduction.csv
 ## and accuracy.csv with the committed ones: make verify-results STUDIES=v3 (any of the default scale's
 ## studies; default all, about 13 hours on 2 cores: about 5 the powered study v2-full, 2 h 46 min the powered
-## study v4-full, v3 or v4 alone about an hour). A study archived by the default scale is recomputed by its own scale (workflow/scales/<study>.yaml),
+## study v4-full, v3 or v4 alone about an hour). A study archived by the default scale is recomputed by its own scale (configs/scales/<study>.yaml),
 ## the others by the default scale. The comparison (workflow/scripts/compare_results.py) is the smoke test's
 ## platform rule: byte for byte when this machine's numeric platform (machine, CPU model and vector instruction
 ## sets, the compiler that builds the kernel, torch's CPU capability, torch, transformers) equals the one the
@@ -347,14 +350,14 @@ STUDIES ?= $(shell $(BIN)/python workflow/scripts/compare_results.py --list)
 verify-results: install
 	$(BIN)/python workflow/scripts/compare_results.py --check $(STUDIES)
 	status=0; for study in $(STUDIES); do \
-	  scale=$$study; [ -f workflow/scales/$$study.yaml ] || scale=default; \
+	  scale=$$study; [ -f $(SCALES_DIR)/$$study.yaml ] || scale=default; \
 	  $(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=$$scale outdir=$(VERIFY_OUT) || exit 1; \
 	  $(BIN)/python workflow/scripts/compare_results.py --fresh $(VERIFY_OUT) $$study || status=1; \
 	done; exit $$status
 
 ## The DAG of every scale, planned and not run.
 dryrun: install
-	for scale in $(sort $(basename $(notdir $(wildcard workflow/scales/*.yaml)))); do \
+	for scale in $(sort $(basename $(notdir $(wildcard $(SCALES_DIR)/*.yaml)))); do \
 	  $(SNAKEMAKE) -n --quiet rules --config scale=$$scale || exit 1; \
 	done
 

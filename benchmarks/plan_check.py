@@ -36,12 +36,12 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from kvcert import costs  # noqa: E402
 from kvcert.plan import cell_plan, compose_cell  # noqa: E402
-from kvcert.scales import load_scale  # noqa: E402
+from kvcert.scales import load_scale, scales_folder  # noqa: E402
 from kvcert.standins import build_model  # noqa: E402
 
 
 def paper_grid_overrides() -> list[str]:
-    scale = load_scale("paper", ROOT / "workflow" / "scales")
+    scale = load_scale("paper", scales_folder(ROOT))
     return list(scale["grid"])
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvcert.analysis import amendment2, claims, prereg, stats, synthetic
-from kvcert.scales import load_scale, override_value, studies
+from kvcert.scales import load_scale, override_value, scales_folder, studies
 
 ROOT = prereg.find_root(__file__)
 
@@ -77,7 +77,7 @@ def test_weighted_auc_equals_the_mann_whitney_auc_of_the_expanded_sample():
 
 def _scale_counts(scale: str, study: str) -> dict:
     counts: dict = {}
-    for name, cell in studies(load_scale(scale, ROOT / "workflow" / "scales"))[study]["cells"].items():
+    for name, cell in studies(load_scale(scale, scales_folder(ROOT)))[study]["cells"].items():
         kind, model = name.split("-", 1)
         n = int(override_value(cell["overrides"], "n_items"))
         counts.setdefault(model, {})[{"qa": "question_aware", "oracle": "oracle", "streaming": "streaming"}[kind]] = n

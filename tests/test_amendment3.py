@@ -14,14 +14,14 @@ import pytest
 import yaml
 
 from kvcert.analysis import prereg
-from kvcert.scales import load_scale, studies
+from kvcert.scales import load_scale, scales_folder, studies
 
 ROOT = prereg.find_root(__file__)
 SCRIPT = ROOT / "workflow" / "scripts" / "resize_design.py"
 
 
 def _scale(name: str) -> dict:
-    return yaml.safe_load((ROOT / "workflow" / "scales" / f"{name}.yaml").read_text())
+    return yaml.safe_load((scales_folder(ROOT) / f"{name}.yaml").read_text())
 
 
 def test_the_resize_rule_gives_the_locked_design_from_the_committed_manifests(tmp_path):
@@ -74,8 +74,8 @@ def test_the_v3_scale_is_amendment_2s_design_resized_on_fresh_items():
     assert scale["v2-full"] == {"prereg": 2, "archived": True}  # make reproduce-full's record, tabulated beside
     assert _scale("default")["studies"]["v3"] == {"prereg": 3, "archived": True}
     # both studies' cells as the workflow resolves them (from amendment 2's cell template and the locked counts)
-    v2 = studies(load_scale("v2", ROOT / "workflow" / "scales"))["v2"]
-    v3 = studies(load_scale("v3", ROOT / "workflow" / "scales"))["v3"]
+    v2 = studies(load_scale("v2", scales_folder(ROOT)))["v2"]
+    v3 = studies(load_scale("v3", scales_folder(ROOT)))["v3"]
     locked = yaml.safe_load((ROOT / "preregistration" / "amendment-3" / "design.yaml").read_text())["counts"]
     assert v3["prereg"] == 3 and sorted(v3["cells"]) == sorted(v2["cells"]) == sorted(locked)
     for name, cell in v3["cells"].items():

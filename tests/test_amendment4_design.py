@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvcert.scales import current_study, design_reference, load_scale
+from kvcert.scales import current_study, design_reference, load_scale, scales_folder
 
 ROOT = Path(__file__).resolve().parents[1]
-SCALES = ROOT / "workflow" / "scales"
+SCALES = scales_folder(ROOT)
 STUDIES = {s: ROOT / "results" / s / "claims" for s in ("v1", "v2", "v2-full", "v3")}
 
 

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from kvcert.analysis import cli, prereg, registry
-from kvcert.scales import cell_overrides, load_scale, studies
+from kvcert.scales import cell_overrides, load_scale, scales_folder, studies
 from helpers.scripts import workflow_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,9 +89,9 @@ def _own_files(pilot: str) -> list[str]:
 
 
 def _locked_design_study(root: Path, version: int) -> tuple[dict, dict]:
-    """A scale v<version> in root's workflow/scales whose one study applies amendment <version>'s locked design
+    """A scale v<version> in root's configs/scales whose one study applies amendment <version>'s locked design
     (SmolLM2 only); returns (scale, its study)."""
-    scales = root / "workflow" / "scales"
+    scales = scales_folder(root)
     scales.mkdir(parents=True)
     (scales / f"v{version}.yaml").write_text(yaml.safe_dump({
         "outdir": "results", "figure_dir": "figures", "threads_per_cell": 1, "prereg_scale": "default",

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from kvcert.runner import cli
-from kvcert.scales import current_study
+from kvcert.scales import current_study, scales_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "workflow" / "scripts" / "calibration_by_layer.py"
@@ -88,8 +88,8 @@ def test_the_default_scale_schedules_the_rule():
     # one table per study that runs cells: the current study (read from the default scale), none for the records
     from kvcert.scales import load_scale, studies
 
-    scale = studies(load_scale("default", ROOT / "workflow" / "scales"))
-    assert [s for s, spec in scale.items() if not spec["archived"]] == [current_study(ROOT / "workflow" / "scales")]
+    scale = studies(load_scale("default", scales_folder(ROOT)))
+    assert [s for s, spec in scale.items() if not spec["archived"]] == [current_study(scales_folder(ROOT))]
     for study, spec in scale.items():
         table = f"results/dryrun-calibration/{study}/calibration/by_layer.csv"
         assert (table in text) == (not spec["archived"]), table

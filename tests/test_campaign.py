@@ -20,7 +20,7 @@ import pytest
 
 from kvcert import campaign
 from kvcert.provenance import code_fingerprint, short
-from kvcert.scales import load_scale
+from kvcert.scales import load_scale, scales_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -105,7 +105,7 @@ def test_unreadable_record_is_one_line_naming_the_file(tmp_path):
 
 
 def test_campaign_is_on_for_the_paper_scales_and_off_for_the_committed_and_smoke_ones():
-    scales = ROOT / "workflow" / "scales"
+    scales = scales_folder(ROOT)
     assert load_scale("paper", scales).get("campaign") is True
     assert load_scale("rehearse", scales).get("campaign") is True  # derived from paper, so inherited
     for name in ("default", "smoke", "v4", "v5-full", "certified-budgets-smoke"):

@@ -17,6 +17,7 @@ from kvcert.analysis.accuracy import accuracy_points
 from kvcert.analysis.exploratory import load_cell_table
 from kvcert.analysis.errors import AnalysisError
 from kvcert.analysis.stats import auc
+from kvcert.scales import scales_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -261,7 +262,7 @@ def test_certificate_items_score_wrong_answers_by_their_share_of_flagged_rows(sc
 
 # --- the floor each committed cell ran with ---------------------------------------------------------------------
 
-CERTIFIED_SCALES = sorted(p.stem for p in (ROOT / "workflow" / "scales").glob("certified-budgets*.yaml"))
+CERTIFIED_SCALES = sorted(p.stem for p in scales_folder(ROOT).glob("certified-budgets*.yaml"))
 
 
 @pytest.mark.parametrize("name", CERTIFIED_SCALES)
@@ -277,7 +278,7 @@ def test_every_target_cell_of_a_certified_scale_resolves_to_the_floor_it_ran_wit
     from kvcert.runner.config import validate
     from kvcert.scales import cell_config, exploratory, load_scale, parse_overrides
 
-    scale = load_scale(name, ROOT / "workflow" / "scales")
+    scale = load_scale(name, scales_folder(ROOT))
     compared, bare_checked = 0, False
     for study, spec in exploratory(scale).items():
         for cell, c in spec["cells"].items():

@@ -31,6 +31,7 @@ from kvcert.run_schema import ELIDED_AT_DEFAULT, IDENTITY_KEYS, RUN
 from kvcert.runner import cli
 from kvcert.runner.cell import _identity, config_yaml
 from kvcert.runner.config import validate
+from kvcert.scales import scales_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -197,7 +198,7 @@ def test_the_library_takes_the_option_with_the_same_default():
 def _cells(name: str) -> dict[str, dict]:
     from kvcert.scales import load_scale, study_cells
 
-    scale = load_scale(name, ROOT / "workflow" / "scales")
+    scale = load_scale(name, scales_folder(ROOT))
     return {f"{study}/{cell}": spec for (study, cell), spec in study_cells(scale).items()}, scale
 
 

@@ -13,12 +13,13 @@ import yaml
 
 from kvcert import device_check
 from kvcert.device_check import BOUNDS, PAPER_DTYPE, Run, checks
+from kvcert.scales import scales_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_default_dtype_is_the_paper_scales():
-    scale = yaml.safe_load((ROOT / "workflow" / "scales" / "paper.yaml").read_text())
+    scale = yaml.safe_load((scales_folder(ROOT) / "paper.yaml").read_text())
     dtypes = {o.split("=", 1)[1] for overrides in scale["models"].values() for o in overrides
               if o.startswith("model.dtype=")}
     assert dtypes == {PAPER_DTYPE}

@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 
 from kvcert import device_pilot as dp
+from kvcert.scales import scales_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -111,7 +112,7 @@ def test_read_plan_refuses_another_scales_plan_and_a_missing_cell(tmp_path):
 
 
 def _tiny_scale(root: Path, models: dict[str, str], out: Path) -> None:
-    scales = root / "workflow" / "scales"
+    scales = scales_folder(root)
     scales.mkdir(parents=True, exist_ok=True)
     text = f"""
 outdir: {out}
@@ -233,7 +234,7 @@ def _dry_run(out: Path):
 def test_rule_cell_takes_runtime_memory_and_constraint_from_the_plan(tmp_path):
     from kvcert.scales import load_scale, study_cells
 
-    cells = [f"{study}/{cell}" for study, cell in study_cells(load_scale("paper", ROOT / "workflow" / "scales"))]
+    cells = [f"{study}/{cell}" for study, cell in study_cells(load_scale("paper", scales_folder(ROOT)))]
     plan = {"scale": "paper", "cells": {c: {"runtime": 30 + i, "mem_mb": 40000 + i, "constraint": "a100_80g|h100"}
                                         for i, c in enumerate(cells)}}
     (tmp_path / "pilot").mkdir()
@@ -320,5 +321,5 @@ def test_a_longbench_cell_without_its_local_copy_is_refused_before_running(tmp_p
     overrides = dp.pilot_overrides(kind, scale, 3, tmp_path / "cell", tmp_path / "copy")
     assert overrides[-6:] == [f"data.path={tmp_path / 'copy'}", "n_items=3", "shard=0", "n_shards=1", "threads=4",
                               f"out_dir={tmp_path / 'cell'}"]
-    model = load_scale("paper", ROOT / "workflow" / "scales")["models"]["qwen7b"]
+    model = load_scale("paper", scales_folder(ROOT))["models"]["qwen7b"]
     assert overrides[:-6] == kind["overrides"] and kind["overrides"][:len(model)] == model  # the cell's own

@@ -1,6 +1,6 @@
 """README.md and docs/ against the committed results and the code: every number or name they state that a
 file or a module can decide is checked here, so that an edit of one without the other fails. Fast: no model,
-no DAG; reads results/, workflow/scales/, the Makefile, pyproject.toml and a few kvcert modules."""
+no DAG; reads results/, configs/scales/, the Makefile, pyproject.toml and a few kvcert modules."""
 
 import csv
 import json
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from kvcert.analysis.prereg import versions
-from kvcert.scales import exploratory, load_scale, studies
+from kvcert.scales import exploratory, load_scale, scales_folder, studies
 from helpers.scripts import load_module, render_docs, workflow_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +20,7 @@ VERSIONS = versions(ROOT)
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 STUDY_DOCS = DOCS / "studies"
-SCALES = ROOT / "workflow" / "scales"
+SCALES = scales_folder(ROOT)
 RESULTS = ROOT / "results"
 PAGES = [README, ROOT / "benchmarks" / "README.md", *sorted(DOCS.rglob("*.md"))]
 # Names the docs use on purpose although no file defines them: the bad input of docs/errors.md, the user's own
@@ -161,9 +161,9 @@ def test_every_prose_number_is_rendered_or_a_parameter(page):
 
 def test_a_page_may_state_only_its_own_studys_design_by_hand():
     assert [p.relative_to(ROOT).as_posix() for p in applied_yamls("v4")] == [
-        "workflow/scales/v4.yaml", "preregistration/amendment-4.yaml"]
+        "configs/scales/v4.yaml", "preregistration/amendment-4.yaml"]
     assert [p.relative_to(ROOT).as_posix() for p in applied_yamls("v5")] == [
-        "workflow/scales/default.yaml", "preregistration/amendment-5/amendment.yaml"]
+        "configs/scales/default.yaml", "preregistration/amendment-5/amendment.yaml"]
     assert [p.name for p in applied_yamls("sensitivity")] == ["sensitivity.yaml"]
     document = yaml.safe_load("n: 610  # 7,796 in a comment\noverrides: [n_items=126, 'seed 9,501']\nflag: true\n")
     assert yaml_numbers(document) == {610.0, 126.0, 9501.0}
@@ -276,7 +276,7 @@ def test_one_study_page_per_study_of_the_default_scale():
     pages = {p.stem for p in STUDY_DOCS.glob("*.md")}
     explore = {name for scale in SCALES.glob("*.yaml") for name in exploratory(load_scale(scale.stem, SCALES))}
     marked = {p.stem for p in STUDY_DOCS.glob("*.md") if "(exploratory)" in text(p).splitlines()[0]}
-    assert pages - marked == default, "docs/studies/ must hold one page per study of workflow/scales/default.yaml"
+    assert pages - marked == default, "docs/studies/ must hold one page per study of configs/scales/default.yaml"
     assert marked <= explore, f"pages marked exploratory that are no exploratory study: {sorted(marked - explore)}"
     assert {r["study"] for r in rows(RESULTS / "claims.csv")} == default
     for study in default:

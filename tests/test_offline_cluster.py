@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvcert.scales import cell_overrides, load_scale, study_cells
+from kvcert.scales import cell_overrides, load_scale, scales_folder, study_cells
 
 pytestmark = [pytest.mark.cluster, pytest.mark.smollm2, pytest.mark.timeout(900)]
 
@@ -91,7 +91,7 @@ def test_offline_run_from_a_staged_folder(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
 
-    scale = load_scale("paper", REPO / "workflow" / "scales")
+    scale = load_scale("paper", scales_folder(REPO))
     overrides = [o for o in cell_overrides(scale, study_cells(scale)[CELL])
                  if not o.startswith(("model.device=", "n_items="))]
     cell_out = tmp_path / "cell"

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvcert.scales import scales_folder
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 PROFILES = ROOT / "workflow" / "profiles"
@@ -95,7 +97,7 @@ def test_the_profile_resolves_site_settings_and_gpus_per_cell(gpus):
     for res in jobs["cell"]:
         assert res["gpu"] == expected_gpus  # not clamped by the per-submission limit
         assert res["slurm_partition"] == "gpu1" and res["slurm_account"] == "acct1"
-        assert res["mem_mb"] == str(yaml.safe_load((ROOT / "workflow/scales/paper.yaml").read_text())
+        assert res["mem_mb"] == str(yaml.safe_load((scales_folder(ROOT) / "paper.yaml").read_text())
                                     ["resources"]["cell"]["mem_mb"])  # the scale sizes cells
     for rule in ("claim", "aggregate", "notebook_claims", "notebook_certificates"):
         for res in jobs[rule]:

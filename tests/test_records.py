@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from kvcert.analysis import prereg
-from kvcert.scales import current_study, design_reference, load_scale, override_value, studies
+from kvcert.scales import current_study, design_reference, load_scale, override_value, scales_folder, studies
 
 ROOT = prereg.find_root(__file__)
 RECORDS = [("v1", "v1"), ("v2", "v2"), ("v2-full", "v2-full"), ("v3", "v3"), ("v4", "v4"), ("v4-full", "v4-full")]
@@ -19,7 +19,7 @@ RECORDS = [("v1", "v1"), ("v2", "v2"), ("v2-full", "v2-full"), ("v3", "v3"), ("v
 
 def _cells(scale: str, study: str) -> dict:
     """The study's cells as the workflow reads them."""
-    return studies(load_scale(scale, ROOT / "workflow" / "scales"))[study]["cells"]
+    return studies(load_scale(scale, scales_folder(ROOT)))[study]["cells"]
 
 
 def _n_items(cell: dict) -> int:
@@ -99,7 +99,7 @@ def test_the_current_study_is_its_design_made_by_one_clean_library():
     """The default scale's current study (v5 today, read from the scale) runs one cell per (kind, model,
     configuration) over the same items, so its claims count items, not cells: C1 and C2 the question-aware items of
     one configuration, C3 the oracle items, C7 the streaming items, each as its design.yaml's counts give them."""
-    scales = ROOT / "workflow" / "scales"
+    scales = scales_folder(ROOT)
     study = current_study(scales)
     design_file, key = design_reference(scales, "default", study)
     counts = yaml.safe_load(design_file.read_text())[key.split(".")[0]]["counts"]

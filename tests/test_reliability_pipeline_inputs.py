@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvcert.analysis import cli, synthetic
-from kvcert.scales import scale_names
+from kvcert.scales import scale_names, scales_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -189,10 +189,13 @@ def test_claim_console_script(case, claim_work, tmp_path):
 
 
 def copy_workflow(dst: Path, with_lock: bool = True) -> Path:
-    """Snakefile, workflow/, preregistration/ (+ lock) and the frozen analysis files: a runnable DAG copy."""
+    """Snakefile, workflow/, configs/ (the scale files), preregistration/ (+ lock) and the frozen analysis files: a
+    runnable DAG copy (workflow/scales stays a link to configs/scales, as in the repository)."""
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "Snakefile", dst / "Snakefile")
-    shutil.copytree(ROOT / "workflow", dst / "workflow", ignore=shutil.ignore_patterns("__pycache__", ".slurm"))
+    shutil.copytree(ROOT / "workflow", dst / "workflow", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__", ".slurm"))
+    shutil.copytree(ROOT / "configs", dst / "configs", ignore=shutil.ignore_patterns("__pycache__"))
     return _copy_prereg(dst, with_lock=with_lock)
 
 
@@ -202,7 +205,7 @@ def snakemake(repo: Path, *args, timeout=600):
 
 
 DAG_CASES = [
-    ("scale-unknown", ["--config", "scale=huge"], "kvcert workflow: error: --config scale=huge: unknown scale; known: " + ", ".join(scale_names(ROOT / "workflow" / "scales"))),
+    ("scale-unknown", ["--config", "scale=huge"], "kvcert workflow: error: --config scale=huge: unknown scale; known: " + ", ".join(scale_names(scales_folder(ROOT)))),
     ("config-key-typo", ["--config", "scal=smoke"], "kvcert workflow: error: --config scal=...: unknown key (did you mean scale?)"),
     ("config-key-unknown", ["--config", "scale=smoke", "cores=4"], "kvcert workflow: error: --config cores=...: unknown key"),
 ]
@@ -265,7 +268,7 @@ cells:
 @pytest.mark.smollm2
 def test_dag_cell_with_bad_override_names_it_last(workflow_copy):
     """A scale whose cell has budget 2: the cell job fails and the DAG ends on its log's error line."""
-    (workflow_copy / "workflow" / "scales" / "bad.yaml").write_text(BAD_SCALE)
+    (scales_folder(workflow_copy) / "bad.yaml").write_text(BAD_SCALE)
     target = "results/bad/v1/cells/qa/shard-0/items.parquet"
     proc = snakemake(workflow_copy, "--cores", "1", target, "--config", "scale=bad")
     assert proc.returncode != 0

@@ -27,6 +27,7 @@ import pandas as pd
 import pytest
 
 from kvcert.runner import cli
+from kvcert.scales import scales_folder
 
 KEYS = ["item_id", "policy", "design", "budget", "seed", "setting"]
 CELL = ["progress=false", "threads=1", "data=ruler", "data.context_tokens=200", "+data.max_new_tokens=3",
@@ -128,7 +129,7 @@ def test_dag_interrupted_completes_on_rerun_without_recomputing(tmp_path):
     from test_reliability_pipeline_inputs import copy_workflow, snakemake
 
     repo = copy_workflow(tmp_path / "repo")
-    (repo / "workflow" / "scales" / "resume.yaml").write_text(TINY_SCALE)
+    (scales_folder(repo) / "resume.yaml").write_text(TINY_SCALE)
     shards = [repo / "results" / "resume" / "v1" / "cells" / "qa" / f"shard-{i}" for i in range(3)]
     targets = [str(s.relative_to(repo) / "items.parquet") for s in shards]
     command = [str(BIN / "snakemake"), "--cores", "1", *targets, "--config", "scale=resume"]

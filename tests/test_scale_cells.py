@@ -6,7 +6,7 @@ The capture names no current study: a later amendment adds its study (and its sc
 still holds. A study or scale added since the capture must apply a locked design (``design: {file, study}``: its
 cells are the lock's) or be a record; a captured study that a scale now reads as a record (the default scale's, once
 a newer amendment becomes the default) must still be computed, with its captured cells, by some scale (its own
-scale file, e.g. workflow/scales/v5.yaml).
+scale file, e.g. configs/scales/v5.yaml).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvcert.scales import current_study, design_reference, exploratory, load_scale, scale_names, studies
+from kvcert.scales import current_study, design_reference, exploratory, load_scale, scale_names, scales_folder, studies
 
 ROOT = Path(__file__).resolve().parents[1]
-SCALES = ROOT / "workflow" / "scales"
+SCALES = scales_folder(ROOT)
 CAPTURED = json.loads((ROOT / "tests" / "fixtures" / "scale_cells.json").read_text())
 
 

@@ -24,6 +24,7 @@ from kvcert.scales import (
     needs_longbench_copy,
     override_value,
     parse_overrides,
+    scales_folder,
     shard_list,
     studies,
     study_cells,
@@ -31,7 +32,7 @@ from kvcert.scales import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-SCALES = ROOT / "workflow" / "scales"
+SCALES = scales_folder(ROOT)
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
 

@@ -40,7 +40,7 @@ import pytest
 from test_reliability_pipeline_inputs import copy_workflow
 from test_slurm_cluster import _free_port, _reason, _run
 
-from kvcert.scales import cell_overrides, load_scale
+from kvcert.scales import cell_overrides, load_scale, scales_folder
 
 pytestmark = [pytest.mark.slurm, pytest.mark.smollm2, pytest.mark.timeout(600)]
 if _reason:
@@ -111,7 +111,7 @@ def reference(package_env, tmp_path_factory) -> Path:
 
 def _scales_with_preempt(where: Path) -> Path:
     scales = where / "scales"
-    shutil.copytree(REPO / "workflow" / "scales", scales)
+    shutil.copytree(scales_folder(REPO), scales)
     (scales / "preempt.yaml").write_text(SCALE)
     return scales
 
@@ -119,7 +119,7 @@ def _scales_with_preempt(where: Path) -> Path:
 def _workflow(tmp_path: Path) -> tuple[Path, Path]:
     """A runnable copy of the workflow with the preempt scale; (repository, the shard's directory)."""
     repo = copy_workflow(tmp_path / "repo")
-    (repo / "workflow" / "scales" / "preempt.yaml").write_text(SCALE)
+    (scales_folder(repo) / "preempt.yaml").write_text(SCALE)
     return repo, repo / "results" / "preempt" / "v1" / "cells" / "qa" / "shard-0"
 
 

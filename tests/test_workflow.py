@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from kvcert.provenance import numeric_platform
-from kvcert.scales import load_scale, shard_list, studies, study_cells
+from kvcert.scales import load_scale, scales_folder, shard_list, studies, study_cells
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -121,11 +121,11 @@ def scheduled_jobs(proc) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("scale", sorted(p.stem for p in (ROOT / "workflow" / "scales").glob("*.yaml")))
+@pytest.mark.parametrize("scale", sorted(p.stem for p in scales_folder(ROOT).glob("*.yaml")))
 def test_dry_run_is_clean(scale, scale_dag):
     # The whole DAG, every job forced (one dry run per scale and session, shared with the other DAG tests).
     jobs = scale_dag(scale)
-    loaded = load_scale(scale, ROOT / "workflow" / "scales")
+    loaded = load_scale(scale, scales_folder(ROOT))
     computed = [name for name, study in studies(loaded).items() if not study["archived"]]
     # One cell job per shard of every study's cells, seven claims per computed study.
     assert (jobs.get("cell", 0), jobs.get("claim", 0)) == (len(shard_list(study_cells(loaded))), 7 * len(computed)), jobs
@@ -138,7 +138,7 @@ def test_dry_run_is_clean(scale, scale_dag):
 def test_unknown_scale_is_one_clear_line():
     proc = snakemake("-n", "--config", "scale=huge")
     assert proc.returncode != 0
-    known = ", ".join(sorted(p.stem for p in (ROOT / "workflow" / "scales").glob("*.yaml")))
+    known = ", ".join(sorted(p.stem for p in scales_folder(ROOT).glob("*.yaml")))
     assert f"--config scale=huge: unknown scale; known: {known}" in proc.stdout + proc.stderr
 
 
@@ -152,7 +152,7 @@ def test_smoke_dag_end_to_end(tmp_path):
     proc = snakemake("--cores", "2", "--config", "scale=smoke", f"outdir={out}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     claims = pd.read_csv(ROOT / out / "claims.csv", keep_default_na=False, na_values=[""])
-    smoke = studies(load_scale("smoke", ROOT / "workflow" / "scales"))  # every study computed, seven claims each
+    smoke = studies(load_scale("smoke", scales_folder(ROOT)))  # every study computed, seven claims each
     assert list(zip(claims["study"], claims["prereg"], claims["claim"])) == [
         (name, study["prereg"], f"c{i}") for name, study in smoke.items() for i in range(1, 8)]
     for column in CLAIM_COLUMNS:
@@ -185,7 +185,7 @@ def test_smoke_dag_end_to_end(tmp_path):
     edited = subprocess.run([str(BIN / "snakemake"), "-n", "--config", "scale=smoke", f"outdir={out}"], cwd=ROOT,
                             env={**ENV, "PYTHONPATH": str(package.parent)}, capture_output=True, text=True, timeout=600)
     jobs = scheduled_jobs(edited)
-    smoke = load_scale("smoke", ROOT / "workflow" / "scales")
+    smoke = load_scale("smoke", scales_folder(ROOT))
     computed = [name for name, study in studies(smoke).items() if not study["archived"]]
     assert (jobs.get("cell"), jobs.get("claim")) == (len(shard_list(study_cells(smoke))), 7 * len(computed)), \
         edited.stdout[-3000:]

@@ -226,7 +226,7 @@ def test_the_committed_v3_record_compared_with_itself(tmp_path, capsys):
 def test_an_unknown_study_is_one_line(capsys):
     assert compare_results.main(["--check", "v3", "v9"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["verify-results: error: STUDIES=v9: unknown study; known (workflow/scales/default.yaml): "
+    assert err == ["verify-results: error: STUDIES=v9: unknown study; known (configs/scales/default.yaml): "
                    + ", ".join(compare_results.known_studies())]
     assert compare_results.main(["--check", "v3"]) == 0
     assert set(compare_results.known_studies()) == set(pd.read_csv(ROOT / "results" / "claims.csv")["study"])

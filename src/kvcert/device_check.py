@@ -49,7 +49,7 @@ from .models import ModelLoadError, ModelSpec, load_model
 from .prompts import PromptIds, build_prompt
 from .theory import passkey_prompt
 
-PAPER_DTYPE = "bfloat16"  # the paper scale's model.dtype (workflow/scales/paper.yaml; a test holds them equal)
+PAPER_DTYPE = "bfloat16"  # the paper scale's model.dtype (configs/scales/paper.yaml; a test holds them equal)
 BUDGET = 0.25
 SETTINGS = ("question_aware", "streaming")
 

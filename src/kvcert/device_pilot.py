@@ -218,10 +218,10 @@ def scale_kinds(name: str, root: Path) -> tuple[dict[str, Any], dict[str, dict[s
     """(scale, {"<study>/<cell>": {"study", "cell", "model", "shards", "items", "overrides"}}) for every cell the
     scale runs; each is its own kind (its overrides differ from every other's)."""
     from .plan import _checked
-    from .scales import ScaleError, cell_config, cell_overrides, load_scale, study_cells
+    from .scales import ScaleError, cell_config, cell_overrides, load_scale, scales_folder, study_cells
 
     try:
-        scale = load_scale(name, root / "workflow" / "scales")
+        scale = load_scale(name, scales_folder(root))
         found = study_cells(scale)
     except ScaleError as err:
         raise PilotError(str(err)) from None
@@ -553,8 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--child"]:
         return _child(Path(argv[1]), argv[3:] if argv[2:3] == ["--"] else argv[2:])
     parser = argparse.ArgumentParser(prog="kvcert-pilot", description=__doc__.split("\n\n")[0])
-    parser.add_argument("scale", help="scale=<name> (a file of workflow/scales/)")
-    parser.add_argument("--root", type=Path, default=Path("."), help="repository root (holds workflow/scales)")
+    parser.add_argument("scale", help="scale=<name> (a file of configs/scales/)")
+    parser.add_argument("--root", type=Path, default=Path("."), help="repository root (holds configs/scales)")
     parser.add_argument("--items", type=int, default=ITEMS, help=f"items per cell kind (default {ITEMS})")
     parser.add_argument("--safety", type=float, default=SAFETY, help=f"factor on measured times (default {SAFETY})")
     parser.add_argument("--memory-factor", type=float, default=MEMORY_FACTOR,

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .costs import GB, Architecture, Batch, CellPlan, Device, Prompt, item_seconds, peak_bytes
-from .scales import ScaleError, cell_config, load_scale, study_cells
+from .scales import ScaleError, cell_config, load_scale, scales_folder, study_cells
 
 # Host work per layer and forward pass of a 9-row decode batch with oracle and certificates (Python,
 # dispatch, the cache's bookkeeping): 2.0 ms measured with benchmarks/plan_check.py on the 2-core machine
@@ -168,7 +168,7 @@ def plan_jobs(name: str, root: Path) -> dict[str, int]:
 def plan_scale(name: str, root: Path, overhead: float = HOST_OVERHEAD_PER_LAYER_PASS) -> dict[str, Any]:
     from .architectures import model_config
 
-    scale = load_scale(name, root / "workflow" / "scales")
+    scale = load_scale(name, scales_folder(root))
     cells = {f"{study}/{cell}": spec for (study, cell), spec in study_cells(scale).items()}
     costs: list[CellCost] = []
     configs: dict[str, Any] = {}
@@ -281,8 +281,8 @@ def as_json(result: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="kvcert-plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("scale", help="scale=<name> (a file of workflow/scales/)")
-    parser.add_argument("--root", type=Path, default=Path("."), help="repository root (holds workflow/scales)")
+    parser.add_argument("scale", help="scale=<name> (a file of configs/scales/)")
+    parser.add_argument("--root", type=Path, default=Path("."), help="repository root (holds configs/scales)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--host-overhead-ms", type=float, default=HOST_OVERHEAD_PER_LAYER_PASS * 1e3,
                         help="host time per layer and forward pass (default: measured on a 2-core machine)")

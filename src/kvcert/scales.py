@@ -1,8 +1,8 @@
 """Scale files: which cells a pipeline scale runs, and scales derived from others by substitution.
 
-A scale file (``workflow/scales/<name>.yaml``) either lists its ``cells`` directly, or a ``matrix``
-(models × data × settings, each cell split into ``shards``) whose cells share one ``grid`` of
-configurations. ``models`` maps a model key to its ``kvcert-run`` model overrides.
+A scale file (``configs/scales/<name>.yaml``, the folder ``scales_folder(root)`` names) either lists its
+``cells`` directly, or a ``matrix`` (models × data × settings, each cell split into ``shards``) whose cells
+share one ``grid`` of configurations. ``models`` maps a model key to its ``kvcert-run`` model overrides.
 
 A study is one pre-registration version applied to cells. A scale lists its studies under ``studies:``
 (each with ``prereg:`` and ``cells:``/``matrix:``, ``cells_from: <study>`` to analyse another study's cells,
@@ -75,6 +75,16 @@ _DOTTED_KEYS = {f"design_options.{f.name}" for f in dataclasses.fields(DesignOpt
 _OPEN_PREFIXES = ("data.", "model.", "policy_options.")
 
 
+# Where a repository keeps its scale files: beside the run configs (configs/run), in the one folder of the
+# pipeline's configuration. Every tool finds them through scales_folder(root), so a scale file dropped there is known.
+SCALES_FOLDER = Path("configs") / "scales"
+
+
+def scales_folder(root: str | Path = ".") -> Path:
+    """The folder of scale files of the repository at ``root`` (``configs/scales``)."""
+    return Path(root) / SCALES_FOLDER
+
+
 def scale_names(scales_dir: str | Path) -> list[str]:
     return sorted(p.stem for p in Path(scales_dir).glob("*.yaml"))
 
@@ -119,15 +129,30 @@ DESIGN_KEYS = ("file", "study")
 
 
 def _with_designs(raw: dict[str, Any], path: Path) -> dict[str, Any]:
-    """``raw`` with every study that references a locked design (``design:``) replaced by that design's study."""
+    """``raw`` with every study that references a locked design (``design:``) replaced by that design's study. A
+    study whose amendment is not locked yet names the file that must exist first (``pending: {until: <path relative
+    to the scale file, e.g. the amendment's lock>, why: <text>}``); until it exists the study is left out and listed
+    under the scale's ``pending`` ({study: why}), so that no cell of it runs before its lock."""
     if not isinstance(raw.get("studies"), dict):
         return raw
     out = dict(raw)
+    waiting = {name: _pending(name, spec["pending"], path) for name, spec in raw["studies"].items()
+               if isinstance(spec, dict) and "pending" in spec}
+    waiting = {name: why for name, why in waiting.items() if why is not None}
     out["studies"] = {name: _design_study(name, spec, path) if isinstance(spec, dict) and "design" in spec
                       else _templated_study(name, spec, path) if isinstance(spec, dict) and "template" in spec
                       else spec
-                      for name, spec in raw["studies"].items()}
+                      for name, spec in raw["studies"].items() if name not in waiting}
+    if waiting:
+        out["pending"] = waiting
     return out
+
+
+def _pending(name: str, pending: Any, path: Path) -> str | None:
+    """Why study ``name`` of the scale file ``path`` is pending, or None once ``pending.until`` exists."""
+    if not isinstance(pending, dict) or sorted(pending) != ["until", "why"]:
+        raise ScaleError(f"{path.name}: study {name}: pending={pending!r}: expected a mapping of until and why")
+    return None if (path.parent / str(pending["until"])).is_file() else str(pending["why"])
 
 
 def _parse_yaml(path: Path, label: str) -> Any:
@@ -218,7 +243,7 @@ def _design_study(name: str, spec: dict[str, Any], path: Path) -> dict[str, Any]
     ref = spec["design"]
     if not isinstance(ref, dict) or sorted(ref) != sorted(DESIGN_KEYS):
         raise ScaleError(f"{where}={ref!r}: expected a mapping of {' and '.join(DESIGN_KEYS)}")
-    extra = sorted(set(spec) - {"design"})
+    extra = sorted(set(spec) - {"design", "pending"})
     if extra:
         raise ScaleError(f"{where}: {extra[0]}: a study that applies a design takes its prereg and cells from it")
     found = _dotted(_read_yaml(f"{where}.file", path.parent, ref["file"]), str(ref["study"]), f"{where}.study",

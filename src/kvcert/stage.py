@@ -162,9 +162,9 @@ def plan_longbench(subsets: list[str], hub_id: str, source: Path | None, api=Non
 
 def scale_needs(scale: str, root: Path) -> tuple[list[str], list[str]]:
     """The hub model names and LongBench subsets a scale's cells read (local model directories excluded)."""
-    from .scales import longbench_subsets, parse_overrides, study_cells, load_scale
+    from .scales import longbench_subsets, parse_overrides, study_cells, load_scale, scales_folder
 
-    loaded = load_scale(scale, root / "workflow" / "scales")
+    loaded = load_scale(scale, scales_folder(root))
     cells = study_cells(loaded)
     used = sorted({cell["model"] for cell in cells.values()})
     names = []
@@ -416,10 +416,10 @@ def describe(models: list[ModelPlan], data: DataPlan | None, wheels: tuple[Path,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvcert-stage", description=__doc__.split("\n\n")[0])
-    parser.add_argument("scale", nargs="?", help="scale=<name> (a file of workflow/scales/): stage every model and "
+    parser.add_argument("scale", nargs="?", help="scale=<name> (a file of configs/scales/): stage every model and "
                         "LongBench subset its cells read")
     parser.add_argument("--out", type=Path, required=True, help="the staging folder (shared storage)")
-    parser.add_argument("--root", type=Path, default=Path("."), help="repository root (holds workflow/scales, requirements)")
+    parser.add_argument("--root", type=Path, default=Path("."), help="repository root (holds configs/scales, requirements)")
     parser.add_argument("--model", action="append", default=[], metavar="NAME", help="a hub model to stage (repeatable)")
     parser.add_argument("--model-dir", action="append", default=[], metavar="NAME=DIR",
                         help="stage local directory DIR under hub name NAME instead of downloading NAME")

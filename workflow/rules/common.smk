@@ -31,10 +31,6 @@ for _key in config:
         fail(f"--config {_key}=...: unknown key{f' (did you mean {_close[0]}?)' if _close else ''}; "
              f"known: {', '.join(CONFIG_KEYS)}")
 SCALE_NAME = str(config.get("scale", "default"))
-_scale_file = REPO / "workflow" / "scales" / f"{SCALE_NAME}.yaml"
-if not _scale_file.is_file():
-    _known = sorted(p.stem for p in _scale_file.parent.glob("*.yaml"))
-    fail(f"--config scale={SCALE_NAME}: unknown scale; known: {', '.join(_known)}")
 try:
     from kvcert.scales import (
         ScaleError,
@@ -43,6 +39,8 @@ try:
         load_scale,
         longbench_subsets,
         needs_longbench_copy,
+        scale_names,
+        scales_folder,
         shard_list,
         studies,
         study_cells,
@@ -50,8 +48,12 @@ try:
 except ImportError as _err:
     fail(f"kvcert is not importable by this snakemake's Python ({_err}): install the project (make install) and "
          "run the snakemake of that environment")
+SCALES = scales_folder(REPO)  # configs/scales: the scale files
+_scale_file = SCALES / f"{SCALE_NAME}.yaml"
+if not _scale_file.is_file():
+    fail(f"--config scale={SCALE_NAME}: unknown scale; known: {', '.join(scale_names(SCALES))}")
 try:
-    S = load_scale(SCALE_NAME, _scale_file.parent)
+    S = load_scale(SCALE_NAME, SCALES)
     STUDIES = studies(S)
     EXPLORATORY = exploratory(S)
     CELLS = study_cells(S)

@@ -1,7 +1,7 @@
 """Compare recomputed studies' tables with the committed ones (``make verify-results``).
 
     python workflow/scripts/compare_results.py --fresh results/verify v3 [v1 ...]
-    python workflow/scripts/compare_results.py --list        # the studies of workflow/scales/default.yaml
+    python workflow/scripts/compare_results.py --list        # the studies of configs/scales/default.yaml
     python workflow/scripts/compare_results.py --committed results/smoke-reference \
         --record-platform results/smoke-reference/platform.json --tables claims.csv reproduction.csv \
         --fresh results/smoke v1 v2                          # the smoke tables against their reference
@@ -105,18 +105,18 @@ ITEM_RTOL, LOGPROB_ATOL = 1e-3, 1e-2
 # (above the measured 1 in 1,443): at most 1 flip among 10 near-tie draws, 3 among 100, 8 among 1,443.
 FLIP_RATE, FLIP_TAIL = 1e-3, 1e-4
 TOLERANCE = f"rtol {RTOL:g} (atol {ATOL:g}) or {WIDTH_FRACTION:g} of the row's interval width"
-SCALES = Path(__file__).resolve().parents[1] / "scales"
+REPO = Path(__file__).resolve().parents[2]  # the repository: its scale files are kvcert.scales.scales_folder(REPO)
 
 
 class CompareError(Exception):
     """Bad input: one line naming the study, file or column."""
 
 
-def known_studies(scales_dir: Path = SCALES) -> list[str]:
-    """The studies of the default scale, in its order."""
-    from kvcert.scales import load_scale, studies
+def known_studies(scales_dir: Path | None = None) -> list[str]:
+    """The studies of the default scale (of the repository's scale files unless ``scales_dir``), in its order."""
+    from kvcert.scales import load_scale, scales_folder, studies
 
-    return list(studies(load_scale("default", scales_dir)))
+    return list(studies(load_scale("default", scales_dir or scales_folder(REPO))))
 
 
 def manifest_platform(manifest: dict) -> dict:
@@ -567,7 +567,7 @@ def compare(committed: Path, fresh: Path, studies: list[str], byte_for_byte: boo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("studies", nargs="*", help="studies of workflow/scales/default.yaml")
+    parser.add_argument("studies", nargs="*", help="studies of configs/scales/default.yaml")
     parser.add_argument("--committed", type=Path, default=Path("results"))
     parser.add_argument("--fresh", type=Path, help="where the studies were recomputed (make verify-results)")
     parser.add_argument("--list", action="store_true", help="print the default scale's studies and stop")
@@ -585,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in args.studies if s not in known]
     if unknown or not args.studies:
         what = f"STUDIES={' '.join(unknown)}: unknown study" if unknown else "no study named"
-        print(f"verify-results: error: {what}; known (workflow/scales/default.yaml): {', '.join(known)}",
+        print(f"verify-results: error: {what}; known (configs/scales/default.yaml): {', '.join(known)}",
               file=sys.stderr)
         return 2
     if args.check:

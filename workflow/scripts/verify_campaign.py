@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from kvcert.provenance import sha256_file
-from kvcert.scales import ScaleError, load_scale, shard_list, studies, study_cells
+from kvcert.scales import ScaleError, load_scale, scales_folder, shard_list, studies, study_cells
 
 REPO = Path(__file__).resolve().parents[2]
 CLAIMS = [f"c{i}" for i in range(1, 8)]
@@ -55,7 +55,7 @@ def named(shards: list[str], what: str) -> str:
 
 
 def verify(scale_name: str, outdir: Path | None, lock: Path | None) -> list[tuple[bool, str]]:
-    scale = load_scale(scale_name, REPO / "workflow" / "scales")
+    scale = load_scale(scale_name, scales_folder(REPO))
     out = outdir or REPO / scale["outdir"]
     if not out.is_dir():
         raise ValueError(f"{out}: no such folder; the scale {scale_name} has not run there (--outdir)")
@@ -121,7 +121,7 @@ def verify(scale_name: str, outdir: Path | None, lock: Path | None) -> list[tupl
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scale", required=True, help="the scale the campaign ran (workflow/scales/<scale>.yaml)")
+    parser.add_argument("--scale", required=True, help="the scale the campaign ran (configs/scales/<scale>.yaml)")
     parser.add_argument("--outdir", type=Path, help="where it ran (default: the scale's outdir)")
     parser.add_argument("--lock", type=Path, help="the lock the environment was installed from")
     args = parser.parse_args(argv)

@@ -28,7 +28,7 @@ import yte
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
-from kvcert.scales import load_scale, override_value, studies, study_cells  # noqa: E402
+from kvcert.scales import load_scale, override_value, scales_folder, studies, study_cells  # noqa: E402
 
 CLAIMS = [f"c{i}" for i in range(1, 8)]
 LOCAL_RULES = {"fetch_model", "fetch_longbench", "verify_preregistration"}
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", default="rehearse")
     parser.add_argument("--profile", type=Path, default=REPO / "workflow" / "profiles" / "slurm" / "config.yaml")
     args = parser.parse_args(argv)
-    scale = load_scale(args.scale, REPO / "workflow" / "scales")
+    scale = load_scale(args.scale, scales_folder(REPO))
     cells = study_cells(scale)
     profile = yte.process_yaml(args.profile.read_text())  # evaluates ?expressions as Snakemake does
     c = Checks()

@@ -29,7 +29,7 @@ say() { echo "rehearse-paper: $*" >&2; }
 
 find_tools
 RUN_TIMEOUT="${KVCERT_REHEARSE_TIMEOUT:-3000}"
-OUT="results/rehearse"   # the rehearse scale's outdir (workflow/scales/rehearse.yaml)
+OUT="results/rehearse"   # the rehearse scale's outdir (configs/scales/rehearse.yaml)
 cd "$REPO_ROOT"
 
 start_all=$SECONDS
