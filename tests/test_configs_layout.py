@@ -54,7 +54,8 @@ def test_paths_that_locked_files_name_still_resolve():
     named = set()
     locked = {f for lock in (ROOT / "preregistration").rglob("*.lock") for f in json.loads(lock.read_text())["files"]}
     for rel in sorted(locked) + [p.relative_to(ROOT).as_posix() for p in (ROOT / "preregistration").glob("*.md")]:
-        named |= set(re.findall(r"\b((?:workflow|configs|src/kvcert)/[\w/.-]+\.(?:yaml|py))\b", (ROOT / rel).read_text()))
+        text = (ROOT / rel).read_text()
+        named |= set(re.findall(r"\b((?:workflow|configs|src/kvcert)/[\w/.-]+\.(?:yaml|py))\b", text))
     assert {"workflow/scales/default.yaml", "workflow/scales/v2.yaml"} <= named
     missing = sorted(p for p in named if not (ROOT / p).is_file())
     assert not missing, f"paths named by locked files that no longer resolve: {missing}"

@@ -1,5 +1,5 @@
 """What every kvcert command-line app shares: composing a Hydra config from the package's ``conf/``
-(``configs/`` at the repository root) with the compose API, and turning every Hydra/OmegaConf failure
+(``configs/run/`` at the repository root) with the compose API, and turning every Hydra/OmegaConf failure
 into one line that names the key at fault (with a did-you-mean hint). The run and calibrate configs are
 the structured configs of ``kvcert.run_schema`` (registered in Hydra's ConfigStore as ``run_schema`` and
 ``calibrate_schema``); ``--help`` prints their keys with defaults and meaning, other apps' config file;

@@ -85,11 +85,11 @@ class RunConfig:
     The field order is the order of the keys in a cell's config.yaml.
     """
 
-    # Hydra's defaults list: the option of each config group (configs/data/, configs/model/) unless overridden.
+    # Hydra's defaults list: the option of each config group (configs/run/data/, configs/run/model/) unless overridden.
     defaults: list[Any] = knob([{"data": "ruler"}, {"model": "smollm2"}, "_self_"], "config groups", identity=False)
     # The groups' keys are checked by their own loaders (kvcert.data, kvcert.models).
-    data: dict[str, Any] = knob({}, "the workload: a file of configs/data/ (data=ruler|longbench|jsonl) and its keys")
-    model: dict[str, Any] = knob({}, "the model: a file of configs/model/ (model=smollm2|gemma3|hf|gguf) and its keys")
+    data: dict[str, Any] = knob({}, "the workload: a file of configs/run/data/ (data=ruler|longbench|jsonl) and its keys")
+    model: dict[str, Any] = knob({}, "the model: a file of configs/run/model/ (model=smollm2|gemma3|hf|gguf) and its keys")
     policies: list[str] = knob(["snapkv"], 'scoring policies (kvcert.POLICIES); "full" is always run as the reference',
                                known=True)
     designs: list[str] = knob(["topk", "poisson"], "topk (deterministic) | poisson (certain head + Poisson tail + "

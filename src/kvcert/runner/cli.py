@@ -1,6 +1,6 @@
 """``kvcert-run``: the Hydra app that runs one cell.
 
-Configs are composed with Hydra's compose API from the package's ``conf/`` (``configs/`` at the
+Configs are composed with Hydra's compose API from the package's ``conf/`` (``configs/run/`` at the
 repository root), so overrides work as in any Hydra app (``data=jsonl data.path=f.jsonl``,
 ``'budgets=[0.25,0.5]'``) while every failure ends in one line naming the key, value or file.
 ``--cfg`` prints the composed config and exits.
