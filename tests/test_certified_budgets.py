@@ -76,8 +76,21 @@ def cells(tmp_path):
                   item("a", "snapkv", "topk", 0.25, True, 25), item("b", "snapkv", "topk", 0.25, True, 25)]
                  ).to_parquet(fixed / "items.parquet")
     steps("a", "topk", 0.25, 0, [0.01, 0.5]).to_parquet(fixed / "steps.parquet")
-    return {"m-target_0.1": {"model": "m", "variant": "target_0.1", "target_error": 0.1, "dirs": [str(target)]},
-            "m-fixed": {"model": "m", "variant": "fixed", "target_error": None, "dirs": [str(fixed)]}}
+    # the recorded configs (kvcert.runner.cell.config_yaml): keys at what their absence means are left out
+    (target / "config.yaml").write_text("target_error: 0.1\ntarget_delta: 0.05\n")
+    (fixed / "config.yaml").write_text("budgets:\n- 0.25\n")
+    return {"m-target_0.1": {"model": "m", "variant": "target_0.1", "dirs": [str(target)]},
+            "m-fixed": {"model": "m", "variant": "fixed", "dirs": [str(fixed)]}}
+
+
+def recorded(spec, tmp_path, name, **config):
+    """A copy of a cell spec whose shard records ``config`` (its tables as the spec's)."""
+    import shutil
+
+    shard = tmp_path / name / "shard-0"
+    shutil.copytree(spec["dirs"][0], shard)
+    (shard / "config.yaml").write_text("".join(f"{k}: {v}\n" for k, v in config.items()))
+    return {**spec, "dirs": [str(shard)]}
 
 
 def test_tables_match_a_hand_computation(script, cells, tmp_path):
@@ -157,9 +170,12 @@ def test_a_target_at_another_cap_is_named_by_its_cap_and_drawn_as_its_own_family
     # otherwise share them and be pooled with the capped ones in every table.
     assert script.configuration_name("target_0.1", "poisson", 0.5, 0.1) == "target 0.1"
     assert script.configuration_name("uncapped_0.1", "poisson", 1.0, 0.1) == "target 0.1 cap 1"
-    families = [script._family({"design": d, "variant": v}) for d, v in
-                (("poisson", "target_0.05"), ("clt", "target_0.05"), ("poisson", "uncapped_0.05"), ("topk", "adakv"))]
-    assert families == ["target", "clt", "uncapped", "adakv"]
+    # families from the columns, not the cell's name: (design, budget, target error, floor, allocator)
+    families = [script.family(*columns) for columns in
+                (("poisson", 0.5, 0.05, np.nan, "uniform"), ("clt", 0.5, 0.05, np.nan, "uniform"),
+                 ("poisson", 1.0, 0.05, np.nan, "uniform"), ("topk", 0.25, np.nan, np.nan, "adakv"),
+                 ("topk", 0.25, np.nan, np.nan, "uniform"), ("poisson", 0.5, 0.1, 0.25, "uniform"))]
+    assert families == ["target", "clt", "uncapped", "adakv", "fixed", "floored"]
     assert set(script.TARGET_FAMILIES) <= set(script.FAMILY_COLORS)
 
 
@@ -170,8 +186,9 @@ def test_a_floored_target_is_named_by_its_floor_and_kept_apart_from_the_unfloore
     assert script.configuration_name("floored_0.1", "poisson", 0.5, 0.1, 0.25) == "target 0.1 floor 0.25"
     assert script.configuration_name("other_0.1", "poisson", 1.0, 0.1, 0.25) == "target 0.1 floor 0.25 cap 1"
     assert script.configuration_name("target_0.1", "poisson", 0.5, 0.1, np.nan) == "target 0.1"
-    assert script._family({"design": "poisson", "variant": "floored_0.1"}) in script.TARGET_FAMILIES
-    floored = {**cells["m-target_0.1"], "variant": "floored_0.1", "target_floor": 0.25}
+    assert script.family("poisson", 0.5, 0.1, 0.25, "uniform") in script.TARGET_FAMILIES
+    floored = recorded({**cells["m-target_0.1"], "variant": "floored_0.1"}, tmp_path, "floored", target_error=0.1,
+                       target_delta=0.05, target_floor=0.25)
     both = {**cells, "m-floored_0.1": floored}
     script.main(both, [0.1], 0.05, tmp_path / "out", tmp_path / "fig.png", tmp_path / "fig.pdf")
     summary = pd.read_csv(tmp_path / "out" / "summary.csv").set_index("configuration")
@@ -219,7 +236,7 @@ def test_certificate_flags_match_a_hand_computation(script, cells, tmp_path):
 
 def test_certificate_flags_of_a_fixed_budget_at_every_study_level(script):
     s = steps("a", "poisson", 0.25, 0, [0.02, 0.07, 0.2], certs=[0.03, 0.08, 0.3]).assign(
-        model="m", configuration="adakv poisson 0.25", variant="adakv", target_error=np.nan)
+        model="m", configuration="adakv poisson 0.25", variant="adakv", target_error=np.nan, family="adakv")
     s["err_low"], s["err_high"], s["err_stored"] = script.error_bounds(s["true_err"].to_numpy(),
                                                                        s["out_norm"].to_numpy())
     flags = script.certificate_flags(pd.DataFrame(), s, [0.1, 0.05], 0.05)
@@ -244,7 +261,7 @@ def test_certificate_items_score_wrong_answers_by_their_share_of_flagged_rows(sc
     certs = {"a": [0.05, 0.05], "b": [0.2, 0.05], "c": [0.05, 0.3], "d": [0.2, 0.3]}
     errors = {"a": [0.01, 0.5], "b": [0.01, 0.01], "c": [0.01, 0.01], "d": [0.01, 0.01]}
     s = pd.concat([steps(i, "poisson", 0.5, 0, errors[i], certs=certs[i]) for i in certs], ignore_index=True).assign(
-        model="m", configuration="fixed poisson 0.5", variant="fixed", target_error=np.nan)
+        model="m", configuration="fixed poisson 0.5", variant="fixed", target_error=np.nan, family="fixed")
     s["err_low"], s["err_high"], s["err_stored"] = script.error_bounds(s["true_err"].to_numpy(),
                                                                        s["out_norm"].to_numpy())
     items = pd.DataFrame([item(i, "snapkv", "poisson", 0.5, i in ("a", "b"), 50) for i in certs]).assign(
@@ -311,7 +328,8 @@ def test_every_target_cell_of_a_certified_scale_resolves_to_the_floor_it_ran_wit
 def test_a_target_cell_at_the_default_floor_is_named_by_the_floor_of_its_cap(script, cells, tmp_path):
     # A future target cell that names no floor runs with half its cap (the rule's target_floor: half_cap): its
     # rows are named by that floor, apart from an unfloored target's.
-    defaulted = {**cells["m-target_0.1"], "target_floor": "half_cap"}
+    defaulted = recorded(cells["m-target_0.1"], tmp_path, "defaulted", target_error=0.1, target_delta=0.05,
+                         target_floor="half_cap")
     script.main({**cells, "m-target_0.1": defaulted}, [0.1], 0.05, tmp_path / "out", tmp_path / "fig.png",
                 tmp_path / "fig.pdf")
     summary = pd.read_csv(tmp_path / "out" / "summary.csv").set_index("configuration")
@@ -334,3 +352,36 @@ def test_the_analysis_package_reads_and_scores_what_the_script_tabulates(script,
     assert accuracy_points(seeds.iloc[[0, 1, 2]]) == pytest.approx(75.0)  # (0.5 + 1) / 2; its rows give 66.7
     assert np.isnan(accuracy_points(seeds.iloc[:0]))
     assert auc([0.2, 0.2, 0.9, 0.1], [True, False, True, False]) == pytest.approx((0.5 + 1 + 1 + 1) / 4)
+
+
+def test_configurations_are_the_recorded_configs_columns_not_the_cells_names(script, cells, tmp_path):
+    """A cell's target error, delta, floor and allocator come from its config.yaml, whatever the cell is called: a
+    target cell named like a fixed one is still a target; a renamed cell with an allocator is that allocator's
+    family; a missing or disagreeing config is named."""
+    renamed = {"m-odd": recorded({**cells["m-target_0.1"], "variant": "fixed_odd"}, tmp_path, "odd",
+                                 target_error=0.1, target_delta=0.05),
+               "m-other": recorded({**cells["m-fixed"], "variant": "other"}, tmp_path, "other", allocator="adakv")}
+    items, steps, choices = script.load(renamed)
+    poisson = items[(items["design"] == "poisson")].iloc[0]
+    assert (poisson["configuration"], poisson["family"], poisson["target_delta"]) == ("target 0.1", "target", 0.05)
+    topk = items[items["design"] == "topk"].iloc[0]
+    assert (topk["configuration"], topk["family"], topk["allocator"]) == ("other topk 0.25", "adakv", "adakv")
+    assert set(items.loc[items["policy"] == "full", "allocator"]) == {"uniform"}
+    assert len(choices) == 2  # the target's choice table is read because its config has a target error
+    (Path(renamed["m-other"]["dirs"][0]) / "config.yaml").unlink()
+    with pytest.raises(AnalysisError, match=r"other/shard-0/config.yaml: missing"):
+        script.load(renamed)
+    second = Path(renamed["m-odd"]["dirs"][0]).parent / "shard-1"
+    import shutil
+
+    shutil.copytree(renamed["m-odd"]["dirs"][0], second)
+    (second / "config.yaml").write_text("target_error: 0.05\n")
+    with pytest.raises(AnalysisError, match=r"shard-1/config.yaml: .* differs from the cell's other shards'"):
+        script.recorded_config([*renamed["m-odd"]["dirs"], str(second)])
+
+
+def test_no_configuration_is_parsed_from_a_name():
+    """The analysis scripts label and group configurations by columns: no startswith/split on a name."""
+    for name in ("certified_budgets", "heldout_check", "heldout_paired"):
+        source = (ROOT / "workflow" / "scripts" / f"{name}.py").read_text()
+        assert ".startswith(" not in source and ".split(\"_\")" not in source and ".split('_')" not in source, name

@@ -5,9 +5,6 @@
 # `make certified-budgets`); or `accuracy`, accuracy per setting, policy, allocator, design and budget
 # (kvcert-accuracy) and nothing more: a study whose numbers are only tabulated (the paper scale's `leaderboard`,
 # beside kvpress's).
-from kvcert.run_schema import RUN
-from kvcert.scales import override_value, parse_overrides
-
 SENSITIVITY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "sensitivity"]
 CERTIFIED_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "certified_budgets"]
 ACCURACY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "accuracy"]
@@ -30,20 +27,11 @@ EXPLORATORY_OUTPUTS = [
 ]
 
 
-def target_floor(overrides):
-    """The floor a cell's target runs with: its override, else the run schema's default (half_cap); None without a
-    target."""
-    values = parse_overrides(overrides)
-    return values.get("target_floor", RUN.target_floor) if values.get("target_error") is not None else None
-
-
 def certified_cells(study):
-    """{cell: {model, variant, target_error (None: fixed budgets), target_floor (None: none), dirs}} of a
-    certified-budgets study."""
+    """{cell: {model, variant, dirs}} of a certified-budgets study; its configuration columns (target error, delta,
+    floor, allocator) the analysis reads from each cell's recorded config.yaml."""
     spec = EXPLORATORY[study]
     return {cell: {"model": c["model"], "variant": spec["variant"][cell],
-                   "target_error": override_value(cell_overrides(S, c), "target_error"),
-                   "target_floor": target_floor(cell_overrides(S, c)),
                    "dirs": [d for d in cell_dirs(study) if f"/cells/{cell}/" in d]}
             for cell, c in spec["cells"].items()}
 

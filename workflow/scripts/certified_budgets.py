@@ -2,12 +2,16 @@
 against fixed budgets and budget allocators, on the cells of an exploratory study whose analysis is
 ``certified_budgets`` (workflow/scales/certified-budgets.yaml). Descriptive numbers, never a pre-registered test.
 
-A configuration is one (cell variant, design, budget) of one model: ``fixed topk 0.25``, ``adakv poisson 0.5``,
-``target 0.1`` (a ``target_<eps>`` cell's design poisson, the budget its cap; a target cell of another variant
-names its cap: ``target 0.1 cap 1``), ``target 0.1 floor 0.25`` (a ``floored_<eps>`` cell: the target with
-``target_floor``, every KV head keeping at least that fraction), ``clt 0.1`` (the same cell's design clt: the
-peers' decode-time CLT-sized sampler at the same ε and δ; it keeps the whole cache),
-and ``full`` (the full cache). Tables, under
+A configuration is one (cell, design, budget) of one model, labelled from the columns the cell's recorded
+``config.yaml`` gives (``target_error``, ``target_delta``, ``target_floor``, ``allocator``; a key left out holds what
+its absence means, kvcert.run_schema.ABSENT_MEANS) and the rows' design and budget, never parsed from the cell's
+name: ``fixed topk 0.25``, ``adakv poisson 0.5`` (a cell without a target: its variant, design and budget),
+``target 0.1`` (design poisson with a target error at the study's cap, STUDY_CAP; at another cap it is named:
+``target 0.1 cap 1``), ``target 0.1 floor 0.25`` (with ``target_floor``, every KV head keeping at least that
+fraction; the default floor, half of each cap, names its cap: ``target 0.1 floor 0.25 cap 0.5``), ``clt 0.1`` (the
+same cell's design clt: the peers' decode-time CLT-sized sampler at the same ε and δ; it keeps the whole cache),
+and ``full`` (the full cache). Each row's colour family (``family``: fixed, adakv, pyramidkv, target, uncapped,
+floored, clt) comes from the same columns. Tables, under
 the study's folder:
 
 * ``summary.csv``, per model and configuration: accuracy (%, items' ``correct``), kept fraction (mean of
@@ -61,13 +65,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+import yaml  # noqa: E402
 
 from kvcert.analysis.accuracy import accuracy_points  # noqa: E402
 from kvcert.analysis.exploratory import load_cell_table  # noqa: E402
 from kvcert.analysis.figures import save_figure  # noqa: E402
 from kvcert.analysis.stats import auc  # noqa: E402
 from kvcert.atomic import write_text_atomic  # noqa: E402
-from kvcert.run_schema import FLOOR_SHARE_OF_CAP, HALF_CAP  # noqa: E402
+from kvcert.analysis.errors import AnalysisError  # noqa: E402
+from kvcert.run_schema import ABSENT_MEANS, FLOOR_SHARE_OF_CAP, HALF_CAP  # noqa: E402
 
 KEYS = ["item_id", "policy", "design", "budget", "seed", "setting"]
 # The columns read of each cell table (kvcert.analysis.exploratory.load_cell_table checks them; a target cell writes targets)
@@ -104,60 +110,102 @@ def error_bounds(true_err: np.ndarray, out_norm: np.ndarray) -> tuple[np.ndarray
     return low, high, stored
 
 
-def configuration_name(variant: str, design: str, budget: float, target_error, target_floor=np.nan) -> str:
+# The study's cap (the budget of its target_<eps> cells): a target at another cap is named by its cap.
+STUDY_CAP = 0.5
+# The configuration columns a cell's config.yaml records (a key left out holds what its absence means).
+CONFIG_COLUMNS = ("target_error", "target_delta", "target_floor", "allocator")
+
+
+def recorded_config(cell_dirs) -> dict:
+    """CONFIG_COLUMNS as the cell's shards recorded them in config.yaml (kvcert.runner.cell.config_yaml), the same in
+    every shard; a key a config leaves out holds kvcert.run_schema.ABSENT_MEANS's value (a null floor, no target,
+    the uniform allocator). Raises AnalysisError naming the file for a missing, unreadable or disagreeing config."""
+    found = None
+    for d in cell_dirs:
+        path = Path(d) / "config.yaml"
+        if not path.is_file():
+            raise AnalysisError(f"{path}: missing (every input cell records its config.yaml)")
+        try:
+            config = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise AnalysisError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(config, dict):
+            raise AnalysisError(f"{path}: expected a mapping of run config keys")
+        values = {key: config.get(key, ABSENT_MEANS[key]) for key in CONFIG_COLUMNS}
+        if found is not None and values != found:
+            raise AnalysisError(f"{path}: {values} differs from the cell's other shards' {found}")
+        found = values
+    return found
+
+
+def configuration_name(variant: str, design: str, budget: float, target_error, target_floor=np.nan,
+                       floor_default: bool = False) -> str:
+    """A row's configuration label from its columns (the module docstring); ``variant`` (the cell's name in the
+    scale) labels only a cell without a target."""
     if design == "full":
         return "full"
     if design == "clt":
         return f"clt {target_error:g}"
-    if pd.notna(target_error) and pd.notna(target_floor):  # floored targets (variant floored_<eps>) at the cap
-        name = f"target {target_error:g} floor {target_floor:g}"
-        return name if variant.startswith("floored") else f"{name} cap {budget:g}"
-    if pd.notna(target_error):  # the study's targets (variant target_<eps>) at its cap; any other cap is named
-        return f"target {target_error:g}" if variant.startswith("target") else f"target {target_error:g} cap {budget:g}"
-    return f"{variant.split('_')[0] if variant.startswith('target') else variant} {design} {budget:g}"
+    if pd.notna(target_error):
+        name = f"target {target_error:g}" + (f" floor {target_floor:g}" if pd.notna(target_floor) else "")
+        return f"{name} cap {budget:g}" if floor_default or float(budget) != STUDY_CAP else name
+    return f"{variant} {design} {budget:g}"
+
+
+def family(design: str, budget: float, target_error, target_floor, allocator: str) -> str:
+    """A row's colour family from its columns: full, clt, the targets (target at the study's cap, uncapped at
+    another, floored with a floor) and, without a target, its allocator (fixed: uniform)."""
+    if design in ("full", "clt"):
+        return design
+    if pd.notna(target_error):
+        return "floored" if pd.notna(target_floor) else "target" if float(budget) == STUDY_CAP else "uncapped"
+    return "fixed" if allocator == "uniform" else str(allocator)
 
 
 def load(cells: dict) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(items, steps, choices) of every cell, each row tagged with model, variant, target_error, configuration.
+    """(items, steps, choices) of every cell, each row tagged with model, variant, the configuration columns
+    (CONFIG_COLUMNS, from the cell's recorded config; target_floor as a fraction, the default half_cap resolved per
+    row's budget, ``floor_default`` marking it), configuration and family.
 
-    cells: {cell: {"model", "variant", "target_error" (float or None), "target_floor" (float, "half_cap": half of
-    each row's budget, or None, optional), "dirs": [shard dirs]}}. The full cache is kept once per model (every cell
-    decodes it on the same items): from the first cell listed.
+    cells: {cell: {"model", "variant" (its name in the scale), "dirs": [shard dirs]}}. The full cache is kept once
+    per model (every cell decodes it on the same items): from the first cell listed.
     """
     items, steps, choices, full_seen = [], [], [], set()
 
-    def read(spec, table, tags):
+    def read(spec, table, tags, floor):
         frame = load_cell_table(spec["dirs"], table, READS[table]).assign(**tags)
-        if spec.get("target_floor") == HALF_CAP:  # the default floor, per configuration: half its cap
+        if floor == HALF_CAP:  # the default floor, per configuration: half its cap
             frame["target_floor"] = FLOOR_SHARE_OF_CAP * frame["budget"].astype(float)
         return frame
 
     for cell, spec in cells.items():
-        target, floor = spec.get("target_error"), spec.get("target_floor")
+        config = recorded_config(spec["dirs"])
+        target, floor = config["target_error"], config["target_floor"]
         tags = {"model": spec["model"], "variant": spec["variant"],
                 "target_error": np.nan if target is None else float(target),
-                "target_floor": np.nan if floor in (None, HALF_CAP) else float(floor)}
-        cell_items = read(spec, "items", tags)
+                "target_delta": np.nan if config["target_delta"] is None else float(config["target_delta"]),
+                "target_floor": np.nan if floor in (None, HALF_CAP) else float(floor),
+                "floor_default": floor == HALF_CAP, "allocator": str(config["allocator"])}
+        cell_items = read(spec, "items", tags, floor)
         if spec["model"] in full_seen:
             cell_items = cell_items[cell_items["policy"] != "full"].copy()
         full_seen.add(spec["model"])
         is_full = cell_items["policy"] == "full"
         cell_items.loc[is_full, "variant"] = "full"
-        cell_items.loc[is_full, ["target_error", "target_floor"]] = np.nan
-        if "allocator" not in cell_items:
-            cell_items["allocator"] = "uniform"
-        cell_items["allocator"] = cell_items["allocator"].fillna("uniform")
+        cell_items.loc[is_full, ["target_error", "target_delta", "target_floor"]] = np.nan
+        cell_items.loc[is_full, ["allocator", "floor_default"]] = ["uniform", False]
         items.append(cell_items)
-        steps.append(read(spec, "steps", tags))
+        steps.append(read(spec, "steps", tags, floor))
         if target is not None:
-            choices.append(read(spec, "targets", tags))
+            choices.append(read(spec, "targets", tags, floor))
     out = [pd.concat(f, ignore_index=True) if f else pd.DataFrame() for f in (items, steps, choices)]
     for frame in out:
         if len(frame):
             design = np.where(frame["policy"] == "full", "full", frame["design"]) if "policy" in frame else frame["design"]
-            frame["configuration"] = [configuration_name(v, d, b, t, f) for v, d, b, t, f in
-                                      zip(frame["variant"], design, frame["budget"], frame["target_error"],
-                                          frame["target_floor"])]
+            columns = list(zip(frame["variant"], design, frame["budget"], frame["target_error"],
+                               frame["target_floor"], frame["floor_default"], frame["allocator"]))
+            frame["configuration"] = [configuration_name(v, d, b, t, f, fd) for v, d, b, t, f, fd, _ in columns]
+            frame["family"] = [family(d, b, t, f, a) for _, d, b, t, f, _, a in columns]
     return out[0], out[1], out[2]
 
 
@@ -307,7 +355,7 @@ def certificate_flags(choices: pd.DataFrame, steps: pd.DataFrame, epsilons: list
     for (model, configuration), c in s.groupby(["model", "configuration"], sort=False):
         target = c["target_error"].iloc[0]
         sizing = "fixed" if pd.isna(target) else "target"
-        family = _family({"design": c["design"].iloc[0], "variant": c["variant"].iloc[0]})
+        family = c["family"].iloc[0]
         for eps in _levels(target, epsilons):
             for layer in ["all", *sorted(c["layer"].unique())]:
                 cl = c if layer == "all" else c[c["layer"] == layer]
@@ -395,10 +443,14 @@ FAMILY_DODGE = {"fixed": -0.012, "adakv": 0.0, "pyramidkv": 0.012}
 
 
 def _family(row) -> str:
-    """The colour group of a summary row: its cell variant's family (targets and clt by design)."""
-    if row["design"] == "clt":
-        return "clt"
-    return "target" if str(row["variant"]).startswith("target") else str(row["variant"]).split("_")[0]
+    """The colour group of a row (its ``family`` column, from the configuration columns: see ``family``)."""
+    return str(row["family"])
+
+
+def with_family(table: pd.DataFrame, items: pd.DataFrame) -> pd.DataFrame:
+    """``table`` (rows per model and configuration) with each configuration's ``family`` column from ``items``."""
+    families = items.groupby(["model", "configuration"], sort=False)["family"].first().reset_index()
+    return table.merge(families, on=["model", "configuration"], how="left", validate="many_to_one")
 
 
 def _step_panel(ax, by_step: pd.DataFrame, model: str, epsilons: list[float], delta: float) -> None:
@@ -406,11 +458,8 @@ def _step_panel(ax, by_step: pd.DataFrame, model: str, epsilons: list[float], de
     dashed below it) and the fixed Poisson budget of one half at each ε, in its family's colour; 1 − δ dotted."""
     m = by_step[by_step["model"] == model]
     for configuration, g in m.groupby("configuration", sort=False):
-        if configuration.startswith("target "):  # configuration_name names a floor, and a cap other than the study's
-            family = "floored" if " floor " in configuration else "uncapped" if " cap " in configuration else "target"
-        elif configuration == "fixed poisson 0.5":
-            family = "fixed"
-        else:
+        family = g["family"].iloc[0]  # the by_step rows carry their configuration's family (with_family)
+        if family not in TARGET_FAMILIES and configuration != "fixed poisson 0.5":
             continue
         for eps, e in g.groupby("epsilon", sort=False):
             ax.plot(e["step"], e["coverage_low"], color=FAMILY_COLORS.get(family, "0.3"), lw=1.2,
@@ -433,7 +482,7 @@ def _flag_panel(ax, flags: pd.DataFrame, summary: pd.DataFrame, model: str, delt
     of them the per-step certificate left unflagged (y, ``silent_high``); y = x is a certificate that flags
     nothing, y = δ dotted what a certificate at level δ allows."""
     rows = flags[(flags["model"] == model) & (flags["layer"].astype(str) == "all")].merge(
-        summary[summary["model"] == model], on=["model", "configuration"], how="inner")
+        summary[summary["model"] == model].drop(columns="family"), on=["model", "configuration"], how="inner")
     for _, r in rows.iterrows():
         ax.plot(r["above_high"], r["silent_high"], **_marker_style(r, _family(r)))
     top = max(1.5 * delta, 1.2 * float(rows["silent_high"].max())) if len(rows) else 1.5 * delta
@@ -532,7 +581,7 @@ def main(cells: dict, epsilons: list[float], delta: float, out_dir: Path, png: P
               "certificate_heads": certificate_heads(choices, steps, epsilons)}
     for name, table in tables.items():  # the rule's outputs: exploratory.smk's CERTIFIED_TABLES, in this order
         write_text_atomic(table.round(6).to_csv(index=False), Path(out_dir) / f"{name}.csv")
-    figure(summary, by_step, epsilons, delta, png, pdf, flags)
+    figure(with_family(summary, items), with_family(by_step, items), epsilons, delta, png, pdf, flags)
 
 
 if __name__ == "__main__":  # run by Snakemake's script directive
