@@ -6,7 +6,8 @@ both sides share.
 Loads MODEL_DIR (a transformers checkpoint: the bundled SmolLM2's converted safetensors) in float32, then answers
 requests, one JSON object per line on stdin, one per line on stdout:
 {"ids": [...], "press": "snapkv" | "knorm", "ratio": r, "max_new_tokens": n} -> what ``measure`` returns, plus
-"tokens" (the generated ids). kvpress's press wraps stock ``model.generate`` (``with press(model): ...``). An
+"tokens" (the generated ids); "ids" as a list of equally long lists is a batch (one row each, no padding), and
+"tokens" then holds one list per row. kvpress's press wraps stock ``model.generate`` (``with press(model): ...``). An
 empty line or end of input ends the worker. Imports nothing from kvcert: ``measure`` is imported by the kvcert
 side too, so both time and size their runs with the same code.
 """
@@ -89,12 +90,14 @@ def cache_bytes(cache) -> int:
 
 
 @torch.no_grad()
-def measure(model, ids: list[int], max_new_tokens: int, press_context) -> dict:
+def measure(model, ids: list[int] | list[list[int]], max_new_tokens: int, press_context) -> dict:
     """One greedy answer of exactly ``max_new_tokens`` tokens under ``press_context`` (entered before the clock
-    starts). Returns tokens, seconds (the whole generate call), prefill_s (until the first new token),
-    decode_tokens_per_s (the other new tokens over the rest), peak_rss_delta (the sampled peak RSS during the
-    call less the RSS just before it) and cache_bytes (the cache generate returned)."""
-    input_ids = torch.tensor([ids])
+    starts); ``ids`` a list of equally long lists: one answer per row, generated together (no padding). Returns
+    tokens (one list per row for a batch), seconds (the whole generate call), prefill_s (until the first new
+    token), decode_tokens_per_s (the other new tokens of every row over the rest), peak_rss_delta (the sampled
+    peak RSS during the call less the RSS just before it) and cache_bytes (the cache generate returned)."""
+    batched = bool(ids) and isinstance(ids[0], list)
+    input_ids = torch.tensor(ids if batched else [ids])
     release_freed_memory()
     stamps = Stamps()
     with press_context, PeakRss() as rss:
@@ -104,9 +107,11 @@ def measure(model, ids: list[int], max_new_tokens: int, press_context) -> dict:
                              eos_token_id=None, pad_token_id=0, streamer=stamps, return_dict_in_generate=True)
         end = time.perf_counter()
     first = stamps.times[1] if len(stamps.times) > 1 else end
-    tokens = out.sequences[0, input_ids.shape[-1]:].tolist()
+    rows = out.sequences[:, input_ids.shape[-1]:].tolist()
+    tokens = rows if batched else rows[0]
     result = {"tokens": tokens, "seconds": end - start, "prefill_s": first - start,
-              "decode_tokens_per_s": (len(tokens) - 1) / (end - first) if end > first else float("nan"),
+              "decode_tokens_per_s": (sum(len(r) for r in rows) - len(rows)) / (end - first) if end > first
+              else float("nan"),
               "peak_rss_delta": rss.peak - rss.start, "cache_bytes": cache_bytes(out.past_key_values)}
     del out
     return result

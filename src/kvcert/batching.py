@@ -87,20 +87,21 @@ class BatchedLayer(CompressedLayer):
 
 
 def stack_rows(rows: list[list[CompressedLayer]], lengths: list[int], *, reserve: int,
-               length: int | None = None) -> CompressedCache:
+               length: int | None = None, release: bool = False) -> CompressedCache:
     """One batched cache from per-row caches.
 
     rows: per row, its layers (each batch 1: keys/values (1, kv_heads, k_r, head_dim), log_pi/offset/positions
     (1, kv_heads, k_r)); lengths: per row, the logical length its next token continues (its prompt's tokens, and
     any fed since); reserve: spare slots for the tokens to append; length: the batch's logical length (default
-    max(lengths); ``model.generate`` counts the padded prompt's). Each layer of the result is a ``BatchedLayer`` of
-    max_r k_r + reserve slots of capacity.
+    max(lengths); ``model.generate`` counts the padded prompt's); release: drop each row's layer from ``rows`` (set
+    it to None) once it is stacked, so that the rows' layers and the batch's do not all exist at once. Each layer
+    of the result is a ``BatchedLayer`` of max_r k_r + reserve slots of capacity.
     """
     length = max(lengths) if length is None else length
     device = rows[0][0].keys.device
     lag = torch.tensor([length - n for n in lengths], dtype=torch.long, device=device)
     layers = []
-    for per_row in zip(*rows):
+    for index, per_row in enumerate(zip(*rows)):
         k_max = max(layer.filled for layer in per_row)
 
         def padded(name: str, value: float = 0.0) -> torch.Tensor:
@@ -119,6 +120,9 @@ def stack_rows(rows: list[list[CompressedLayer]], lengths: list[int], *, reserve
         layer.n_sampled_slots = max(row.n_sampled_slots for row in per_row)
         layer.compressed = any(row.compressed for row in per_row)
         layers.append(layer)
+        if release:
+            for row in rows:
+                row[index] = None
     return CompressedCache(layers)
 
 
@@ -340,8 +344,13 @@ class GenerateBatch:
                 del compressed  # the prompt's full cache: one exists at a time
         finally:
             run.busy = False
-        reserve = new_tokens if new_tokens is not None else 256
-        cache = stack_rows([layers[i] for i in index], lengths, reserve=reserve, length=n_pad)
+        from .presses import DECODE_CHUNK, decode_reserve
+
+        cache = stack_rows([layers[i] for i in index], lengths, reserve=decode_reserve(new_tokens), length=n_pad,
+                           release=True)
+        del layers
+        for layer in cache.layers:  # the generated tokens' slots grow on demand, never past max_new_tokens
+            layer.grow_on_demand(DECODE_CHUNK, new_tokens)
         run.context = None  # the stand-in forward attends as the model normally would
         return cls(press, cache, torch.cat([logits[i] for i in index]), [fields[i] for i in index], stop)
 

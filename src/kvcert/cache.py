@@ -42,6 +42,9 @@ class CompressedLayer(CacheLayerMixin):
         self.n_prefix_slots = 0  # slots [0, n_prefix_slots) came from the prefix; appended tokens follow
         self.n_sampled_slots = 0  # slots [0, n_sampled_slots) hold every π < 1 of every row (derive sorts them first)
         self.compressed = False
+        # How full buffers grow (``grow_on_demand``): None doubles them; else by at least this many slots
+        self.grow_chunk: int | None = None
+        self.max_slots: int | None = None  # with grow_chunk: the most slots growth allocates (None: no limit)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h = key_states.shape[:2]
@@ -80,8 +83,7 @@ class CompressedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         m = key_states.shape[-2]
         if self.filled + m > self._buffers[0].shape[2]:
-            self._allocate(self.keys, self.values, self.log_pi, self.offset, self.positions,
-                           max(2 * self.filled, self.filled + m))
+            self._allocate(self.keys, self.values, self.log_pi, self.offset, self.positions, self._grown(m))
         k, v, lp, off, pos = self._buffers
         end = self.filled + m
         k[:, :, self.filled : end] = key_states
@@ -93,6 +95,21 @@ class CompressedLayer(CacheLayerMixin):
         self.length += m
         self._expose()
         return self.keys, self.values
+
+    def grow_on_demand(self, chunk: int, new_tokens: int | None) -> None:
+        """Grow full buffers by chunks instead of doubling them: by max(chunk, an eighth of the slots) at a time
+        (amortised: a token is copied a bounded number of times on average), never past the prefix's slots plus
+        ``new_tokens`` (the tokens a generation can still append; None: no limit)."""
+        self.grow_chunk = chunk
+        self.max_slots = None if new_tokens is None else self.n_prefix_slots + new_tokens
+
+    def _grown(self, m: int) -> int:
+        """The capacity to reallocate to when ``m`` more slots do not fit."""
+        need = self.filled + m
+        if self.grow_chunk is None:
+            return max(2 * self.filled, need)
+        grown = self.filled + max(self.grow_chunk, need // 8, m)
+        return max(need, grown if self.max_slots is None else min(grown, self.max_slots))
 
     def get_seq_length(self) -> int:
         return self.length

@@ -68,22 +68,7 @@ class Prefill:
         return self.prefix_ids.shape[-1]
 
     def layer_views(self) -> list[LayerView]:
-        views = []
-        for layer, obs in zip(self.cache.layers, self.observations):
-            views.append(
-                LayerView(
-                    keys=layer.keys,
-                    values=layer.values,
-                    window_queries=obs.window_queries,
-                    accumulated_attention=obs.accumulated_attention,
-                    scale=obs.scale,
-                    sliding_window=obs.sliding_window,
-                    query_statistics=obs.query_statistics,
-                    output_projection=obs.output_projection,
-                    pre_rope_keys=obs.pre_rope_keys,
-                )
-            )
-        return views
+        return [layer_view(layer, obs) for layer, obs in zip(self.cache.layers, self.observations)]
 
     def scores(self, policy_name: str) -> list[torch.Tensor]:
         """Per-layer scores (batch, kv_heads, n) of a policy, computed once per prefill. A policy that draws (a
@@ -94,6 +79,22 @@ class Prefill:
             self._scores[policy_name] = [policy.score(view, torch.Generator().manual_seed(i))
                                          for i, view in enumerate(self.layer_views())]
         return self._scores[policy_name]
+
+
+def layer_view(layer, obs: Observation) -> LayerView:
+    """What a policy reads of one prefilled layer: its keys/values (batch, kv_heads, n, head_dim) and what the
+    prefill observed there."""
+    return LayerView(
+        keys=layer.keys,
+        values=layer.values,
+        window_queries=obs.window_queries,
+        accumulated_attention=obs.accumulated_attention,
+        scale=obs.scale,
+        sliding_window=obs.sliding_window,
+        query_statistics=obs.query_statistics,
+        output_projection=obs.output_projection,
+        pre_rope_keys=obs.pre_rope_keys,
+    )
 
 
 @torch.no_grad()
@@ -164,15 +165,21 @@ class PrefillRecording:
                policy_options: dict | None) -> Prefill:
         """The ``Prefill`` once the model has run over ``prefix_ids`` (1, n) on ``context``'s cache;
         last_logits: (1, vocab) float32."""
-        ctx, n = self.context, self.n
-        for i, (obs, layer) in enumerate(zip(ctx.observations, ctx.cache.layers)):
-            if obs.query_statistics is not None:
-                obs.query_statistics.finish(n)
-            if self.pre_rope_keys:  # the prefill's cache holds every prefix key, in position order
-                cos, sin = self.tables[i]
-                obs.pre_rope_keys = unrotate(layer.keys, cos[:n], sin[:n]).float()
+        ctx = self.context
+        for i in range(len(ctx.observations)):
+            self.finish_layer(i)
         return Prefill(ctx.cache, ctx.observations, prefix_ids, suffix_ids, last_logits, setting,
                        dict(policy_options or {}))
+
+    def finish_layer(self, i: int) -> None:
+        """Complete layer ``i``'s observation once the model has run that layer over the whole prefix: the queries'
+        statistics, and the keys before RoPE where asked for."""
+        obs, layer, n = self.context.observations[i], self.context.cache.layers[i], self.n
+        if obs.query_statistics is not None:
+            obs.query_statistics.finish(n)
+        if self.pre_rope_keys:  # the prefill's cache holds every prefix key, in position order
+            cos, sin = self.tables[i]
+            obs.pre_rope_keys = unrotate(layer.keys, cos[:n], sin[:n]).float()
 
 
 def allocate(
@@ -211,6 +218,41 @@ def select(
                   allocation=layer_budget, **({"attention": masses[i]} if attended else {}))
         for i, (scores, layer_budget) in enumerate(zip(state.scores(policy), budgets))
     ]
+
+
+class LayerSelector:
+    """``select``'s work one layer at a time, in layer order, for a prefix of ``n`` tokens: the same scores (layer
+    i's policy generator seeded i), the allocator's count for that layer, and the design's draws from one
+    generator seeded ``seed`` taken layer after layer. So a caller can compress each layer as soon as the prefill
+    has run it (``kvcert.press``), and the retained sets are ``select``'s. Every allocator qualifies: uniform and
+    adakv allocate within a layer, pyramidkv's layer schedule depends only on ``n`` and the layer count. A target
+    (its layers' sizes are searched together) and design clt are not offered here: they select after the prefill."""
+
+    def __init__(self, n: int, n_layers: int, policy: str, design: str, budget: float, seed: int = 0,
+                 options: DesignOptions = DesignOptions(), allocator: str = RUN.allocator,
+                 allocator_options: dict | None = None, policy_options: dict | None = None):
+        if design == "clt":
+            raise ValueError("LayerSelector: design clt selects after the prefill (use select)")
+        self.policy = get_policy(policy, **(policy_options or {}).get(policy, {}))
+        self.design_fn = get_design(design)
+        self.certain_top_slice = get_policy(policy).certain_top_slice
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self.budget, self.options = budget, options
+        self.budgets = get_allocator(allocator, **(allocator_options or {})).allocate(
+            budget, n, n_layers, options.n_sink, options.n_recent)
+        self.attended = design == "poisson" and options.head_attention_share > 0
+        self.next = 0
+
+    def select(self, i: int, view: LayerView) -> Selection:
+        """Layer ``i``'s Selection (index/log_pi (batch, kv_heads, k)); layers must come in order 0, 1, …"""
+        if i != self.next:
+            raise RuntimeError(f"LayerSelector: layer {i} came before layer {self.next} (layers are selected in order)")
+        scores = self.policy.score(view, torch.Generator().manual_seed(i))
+        extra = {"attention": window_attention_mass(view)} if self.attended else {}
+        selection = self.design_fn(scores, self.budget, self.options, generator=self.generator,
+                                   certain_top_slice=self.certain_top_slice, allocation=self.budgets[i], **extra)
+        self.next += 1
+        return selection
 
 
 @dataclass
@@ -306,22 +348,25 @@ def _footprint(state: Prefill, selections: list[Selection] | None) -> tuple[floa
     """
     retained, compressed, full, kept = [], 0, 0, 0
     for i, layer in enumerate(state.cache.layers):
-        h = layer.keys.shape[1]
-        per_head_slot = (layer.keys.shape[-1] * layer.keys.element_size() + layer.values.shape[-1]
-                         * layer.values.element_size() + layer.log_pi.element_size() + layer.offset.element_size()
-                         + layer.positions.element_size())
-        per_slot = h * per_head_slot
-        n = layer.keys.shape[-2]
-        full += n * per_slot
-        if selections is None:
-            retained.append(float(n))
-            compressed += n * per_slot
-            kept += n * per_slot
-        else:
-            retained.append(float(selections[i].retained.float().mean()))
-            compressed += selections[i].index.shape[-1] * per_slot
-            kept += int(selections[i].retained.sum()) * per_head_slot
+        r, c, f, k = layer_footprint(layer, None if selections is None else selections[i])
+        retained.append(r)
+        compressed, full, kept = compressed + c, full + f, kept + k
     return float(np.mean(retained)), compressed, full, kept
+
+
+def layer_footprint(layer, selection: Selection | None) -> tuple[float, int, int, int]:
+    """One prefilled layer's share of ``_footprint``: (mean retained slots per KV head, compressed bytes, full
+    bytes, kept bytes); selection None: the full layer."""
+    h = layer.keys.shape[1]
+    per_head_slot = (layer.keys.shape[-1] * layer.keys.element_size() + layer.values.shape[-1]
+                     * layer.values.element_size() + layer.log_pi.element_size() + layer.offset.element_size()
+                     + layer.positions.element_size())
+    per_slot = h * per_head_slot
+    n = layer.keys.shape[-2]
+    if selection is None:
+        return float(n), n * per_slot, n * per_slot, n * per_slot
+    return (float(selection.retained.float().mean()), selection.index.shape[-1] * per_slot, n * per_slot,
+            int(selection.retained.sum()) * per_head_slot)
 
 
 def decoding_context(state: Prefill, configurations: list[list[Selection] | None], *, reserve: int, certify: bool,
@@ -332,16 +377,22 @@ def decoding_context(state: Prefill, configurations: list[list[Selection] | None
     prefill's uncompressed cache as the oracle, and the decode-time samplers of design clt's rows."""
     any_compressed = any(c is not None for c in configurations)
     cache = state.cache.derive_batch(configurations, reserve=reserve)
-    recorder = None
-    if (certify or oracle) and any_compressed:
-        keys = state.cache.layers[0].keys
-        recorder = CertificateRecorder(max(layer.length for layer in cache.layers), oracle=oracle,
-                                       path=attention_path(keys.dtype, keys.device))
+    recorder = new_recorder(cache, certify=certify, oracle=oracle) if any_compressed else None
     # design clt's rows: every slot kept, attention estimated by a fresh sample at each query
     samplers = {r: [sel.sampler for sel in c] for r, c in enumerate(configurations)
                 if c is not None and c and c[0].sampler is not None}
     return AttentionContext(cache, recorder=recorder, oracle=state.cache if oracle and any_compressed else None,
                             samplers=samplers)
+
+
+def new_recorder(cache: CompressedCache, *, certify: bool, oracle: bool) -> CertificateRecorder | None:
+    """The ``CertificateRecorder`` of a decoding on ``cache`` (some row compressed): steps counted from the cache's
+    length, the kernel path of its keys' dtype and device; None when neither certificates nor the oracle are asked."""
+    if not (certify or oracle):
+        return None
+    keys = cache.layers[0].keys
+    return CertificateRecorder(max(layer.length for layer in cache.layers), oracle=oracle,
+                               path=attention_path(keys.dtype, keys.device))
 
 
 class Decoding:

@@ -14,12 +14,17 @@ of the press's own (as ``kvcert.attach`` does), and one forward pre-hook and one
 When ``generate`` (or any caller) starts a prompt, i.e. calls the model with an empty ``transformers.Cache``, the
 pre-hook hands the model a ``PressCache`` (a ``CompressedCache``) in its place; the prefill runs over the whole
 prompt (question-aware: the question is part of it) while kvcert attention records what the policy reads, and the
-forward hook then compresses the cache physically: the policy's scores, the allocator's counts, the design's
-retained sets (``kvcert.generation.configuration_selections``, the selections ``kvcert.generate`` makes), the kept
-slots gathered per KV head. ``generate`` keeps the cache the model returned, so every later step attends to the
-compressed cache with the −log π offset and, with ``certify``, hands its variance to the answer's
-``CertificateRecorder``. On exit the hooks are removed, the attention implementation is the one before, and the
-registered names are gone.
+cache is compressed physically: the policy's scores, the allocator's counts, the design's retained sets (the
+selections ``kvcert.generate`` makes), the kept slots gathered per KV head. Each layer is compressed as soon as the
+prefill has run it (``kvcert.generation.LayerSelector``: every allocator and policy reads one layer at a time), so
+the full cache of one layer exists at a time, as under kvpress's presses; with a target, design clt, the oracle or
+``max_cache_tokens`` the forward hook compresses every layer once the prefill has run
+(``configuration_selections``: a target searches its layers' sizes together, the oracle keeps the full cache).
+Slots for generated tokens are allocated DECODE_CHUNK at a time (an eighth more of the cache once it is larger),
+never more than ``generate``'s ``max_new_tokens``. ``generate`` keeps the cache the model returned, so every later
+step attends to the compressed cache with the −log π offset and, with ``certify``, hands its variance to the
+answer's ``CertificateRecorder``. On exit the hooks are removed, the attention implementation is the one before,
+and the registered names are gone.
 
 A batch (several rows, or a left-padded prompt; ``num_return_sequences``) is compressed row by row and decoded
 together (``kvcert.batching``: each row's prompt prefilled alone on its own tokens, its own retained sets and draw,
@@ -52,8 +57,9 @@ from .cache import CompressedCache
 from .context import AttentionContext
 from .decode_compression import DecodeCompressor, check_decode_bound
 from .designs import DESIGNS, DesignOptions, check_design_defenses
-from .generation import (RUN, Configuration, PrefillRecording, _footprint, _steps_frame, configuration_selections,
-                         decode_batch, decoding_context, eos_ids, generate, item_seed, new_token_limit, prefill)
+from .generation import (RUN, Configuration, LayerSelector, PrefillRecording, _footprint, _steps_frame,
+                         configuration_selections, decode_batch, decoding_context, eos_ids, generate, item_seed,
+                         layer_footprint, layer_view, new_token_limit, new_recorder, prefill)
 from .prompts import build_prompt, model_limit
 from .policies import get_policy, prefill_needs
 from .targets import TargetNotMetWarning, cap_binding_message, check_target
@@ -61,7 +67,7 @@ from .targets import TargetNotMetWarning, cap_binding_message, check_target
 _GENERATE_DEFAULTS = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
 PRESS_NAME = f"{ATTENTION_NAME}_press"  # the attention implementation a press registers starts with this
 DEFAULT_EPS = 0.1  # the relative certificate above which a step and layer is listed, unless the press says otherwise
-RESERVE = 256  # spare slots the compressed cache allocates for generated tokens (it doubles beyond them)
+DECODE_CHUNK = 64  # slots for generated tokens the compressed cache allocates at a time (never past max_new_tokens)
 _ALL_STEPS = 2**62  # no limit on the steps of an answer: generate feeds every token but the last
 
 
@@ -199,6 +205,12 @@ class Press:
         self._decode_bound = check_decode_bound(self.max_cache_tokens, self.compression_interval, policy=self.policy,
                                                 design=self.design, options=self.options,
                                                 policy_options=self.policy_options, who="kvcert.press")
+
+    @property
+    def _layerwise(self) -> bool:
+        """Whether a prompt's layers are compressed one by one during its prefill (module docstring)."""
+        return (self._target is None and self.design in ("topk", "poisson") and not self.oracle
+                and self._decode_bound is None)
 
     @contextmanager
     def __call__(self, model) -> Iterator:
@@ -437,6 +449,8 @@ class _Run:
         self.cache: PressCache | None = None
         self.batch = None  # kvcert.batching.GenerateBatch while generate decodes a batch
         self.busy = False  # kvcert's own prefill of a batch row runs the model inside a hook
+        self.layerwise: _Layerwise | None = None  # during a prefill that compresses each layer as it is run
+        self.new_tokens: int | None = None  # generate's max_new_tokens for the prompt being prefilled (None: unknown)
 
     def attention(self, module, query, key, value, attention_mask, **kwargs):
         """kvcert attention bound to this run's current context (none: the model attends as it normally would).
@@ -444,7 +458,10 @@ class _Run:
         not needed there."""
         if self.batch is not None:
             attention_mask = None
-        return self.function(module, query, key, value, attention_mask, bound_context=self.context, **kwargs)
+        out = self.function(module, query, key, value, attention_mask, bound_context=self.context, **kwargs)
+        if self.layerwise is not None and not self.busy:
+            self.layerwise.compress(module.layer_idx)  # the prefill is done with this layer
+        return out
 
     def mask(self, **kwargs):
         """The mask function of the press's attention: none for a batch's decode (see ``attention``)."""
@@ -463,7 +480,7 @@ class _Run:
                 ids = kwargs.get("input_ids", args[0] if args else None)
                 self.context.compressor.before_pass(self.context, ids.shape[-1])
             return None  # a decode step on a compressed cache
-        self.batch = None
+        self.batch = self.layerwise = None
         if not isinstance(cache, Cache):
             if kwargs.get("use_cache") is False:
                 raise ValueError("kvcert.press: use_cache=False: a press compresses the cache, so generate must keep "
@@ -484,11 +501,16 @@ class _Run:
             self.cache = PressCache(list(self.batch.cache.layers))
             return args, self.batch.stand_in(kwargs, key)
         p = self.press
+        from .batching import generation_settings
+
+        self.new_tokens = generation_settings(self.model, ids.shape[-1])[1]
         needs = prefill_needs([p.policy], p.policy_options)
         self.recording = PrefillRecording.start(self.model, ids.shape[-1], observation_window=p.observation_window,
                                                 **needs)
         self.cache = PressCache(list(self.recording.context.cache.layers))
         self.context = self.recording.context
+        if p._layerwise:
+            self.layerwise = _Layerwise(p, self.recording, self.cache, ids.shape[-1], self.new_tokens)
         return args, {**kwargs, key: self.cache}
 
     def after(self, module, args, kwargs, output):
@@ -501,6 +523,12 @@ class _Run:
             return None
         recording, self.recording = self.recording, None
         p = self.press
+        if self.layerwise is not None:
+            layerwise, self.layerwise = self.layerwise, None
+            self.context = AttentionContext(self.cache, recorder=new_recorder(self.cache, certify=p.certify,
+                                                                              oracle=False))
+            p._record(self.context.recorder, p.design == "poisson", layerwise.fields())
+            return None
         ids = kwargs.get("input_ids", args[0] if args else None)
         state = recording.finish(ids, ids[:, :0], output.logits[:, -1].float(), "question_aware", p.policy_options)
         configuration = Configuration(p.policy, p.design, p.budget, p.seed)
@@ -508,10 +536,13 @@ class _Run:
                                                       allocator=p.allocator, allocator_options=p.allocator_options,
                                                       target=p._target)
         compressor = p._compressor(state)
-        reserve = RESERVE if compressor is None else max(
+        reserve = decode_reserve(self.new_tokens) if compressor is None else max(
             0, compressor.bound.max_cache_tokens - max(sel.index.shape[-1] for sel in selections))
         self.context = decoding_context(state, [selections], reserve=reserve, certify=p.certify, oracle=p.oracle)
         self.context.compressor = compressor
+        if compressor is None:
+            for layer in self.context.cache.layers:
+                layer.grow_on_demand(DECODE_CHUNK, self.new_tokens)
         self.cache.layers = self.context.cache.layers  # generate holds this cache: it now holds the kept slots
         if choice is not None and (message := cap_binding_message(choice, p._target, p.budget)):
             warnings.warn(message, TargetNotMetWarning, stacklevel=2)
@@ -522,6 +553,51 @@ class _Run:
                    **({} if compressor is None else {"peak_cache_tokens": lambda: compressor.peak,
                                                      "decode_compressions": lambda: compressor.compressions})})
         return None
+
+
+def decode_reserve(new_tokens: int | None) -> int:
+    """The slots a compressed cache allocates at its prefill for generated tokens: DECODE_CHUNK, or fewer where
+    ``generate`` asks for fewer new tokens (its last token is never fed back, so new_tokens − 1 suffice)."""
+    return DECODE_CHUNK if new_tokens is None else max(0, min(DECODE_CHUNK, new_tokens - 1))
+
+
+class _Layerwise:
+    """One prompt's prefill compressing each layer as soon as the model has run it (``_Run.attention`` calls
+    ``compress`` after the layer's attention): the layer's observation is completed, its retained set selected
+    (``LayerSelector``: the selections ``configuration_selections`` makes after the whole prefill) and the layer
+    replaced, in the prefill's cache and in the PressCache generate holds, by its kept slots (plus
+    ``decode_reserve`` slots that grow on demand). What the prefill observed of the layer beyond its queries'
+    window is dropped with it."""
+
+    def __init__(self, press: Press, recording: PrefillRecording, cache: PressCache, n: int, new_tokens: int | None):
+        seed = press.seed if press.item_id is None else item_seed(press.seed, press.item_id)
+        n_layers = len(recording.context.cache.layers)
+        self.selector = LayerSelector(n, n_layers, press.policy, press.design, press.budget, seed, press.options,
+                                      press.allocator, press.allocator_options, press.policy_options)
+        self.recording, self.cache, self.new_tokens = recording, cache, new_tokens
+        self.footprints: list[tuple[float, int, int, int]] = []
+
+    def compress(self, i: int) -> None:
+        """Layer ``i`` has attended over the whole prompt: replace it by its kept slots."""
+        ctx = self.recording.context
+        layer, obs = ctx.cache.layers[i], ctx.observations[i]
+        self.recording.finish_layer(i)
+        selection = self.selector.select(i, layer_view(layer, obs))
+        self.footprints.append(layer_footprint(layer, selection))
+        compressed = layer.derive([selection], reserve=decode_reserve(self.new_tokens))
+        compressed.grow_on_demand(DECODE_CHUNK, self.new_tokens)
+        ctx.cache.layers[i] = self.cache.layers[i] = compressed
+        obs.pre_rope_keys = obs.accumulated_attention = None
+
+    def fields(self) -> dict:
+        """AnswerCertificate's footprint fields, as ``_footprint`` gives them after the whole prefill."""
+        if len(self.footprints) != len(self.cache.layers):
+            raise RuntimeError(f"kvcert.press: the prefill compressed {len(self.footprints)} of "
+                               f"{len(self.cache.layers)} layers (an attention layer did not run on the prompt)")
+        retained, cache_bytes, full_bytes, kept_bytes = zip(*self.footprints)
+        return {"retained_tokens": float(np.mean(retained)), "context_tokens": self.recording.n,
+                "cache_bytes": sum(cache_bytes), "full_bytes": sum(full_bytes), "kept_bytes": sum(kept_bytes),
+                "target_choice": None}
 
 
 __all__ = ["PIPELINE_TASK", "AnswerCertificate", "Press", "PressAnswer", "PressCache", "PressPipeline", "press",
