@@ -200,9 +200,24 @@ def test_a_floored_target_is_named_by_its_floor_and_kept_apart_from_the_unfloore
     assert by.loc["target 0.1", "n_heads"] == by.loc["target 0.1 floor 0.25", "n_heads"] == 2
 
 
+def diagnostics(cells, epsilons, delta, out):
+    """The diagnostics notebook's tables (its code cells: kvcert.analysis.certified's load, then
+    kvcert.analysis.certificate_diagnostics), written as it writes them."""
+    from kvcert.analysis import certificate_diagnostics as diag
+    from kvcert.analysis.certified import load, with_bounds
+
+    items, steps, choices = load(cells)
+    steps = with_bounds(steps)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, table in {"certificate_flags": diag.certificate_flags(choices, steps, epsilons, delta),
+                        "certificate_items": diag.certificate_items(items, steps, epsilons),
+                        "certificate_heads": diag.certificate_heads(choices, steps, epsilons)}.items():
+        (out / f"{name}.csv").write_text(table.round(6).to_csv(index=False))
+
+
 def test_certificate_flags_match_a_hand_computation(script, cells, tmp_path):
     out = tmp_path / "out"
-    script.main(cells, [0.1, 0.05], 0.05, out, tmp_path / "fig.png", tmp_path / "fig.pdf")
+    diagnostics(cells, [0.1, 0.05], 0.05, out)
     flags = pd.read_csv(out / "certificate_flags.csv")
     # only the poisson rows carry a certificate (top-k and clt have none), measured at the target's own ε
     assert set(flags["configuration"]) == {"target 0.1"} and set(flags["epsilon"]) == {0.1}
@@ -239,7 +254,9 @@ def test_certificate_flags_of_a_fixed_budget_at_every_study_level(script):
         model="m", configuration="adakv poisson 0.25", variant="adakv", target_error=np.nan, family="adakv")
     s["err_low"], s["err_high"], s["err_stored"] = script.error_bounds(s["true_err"].to_numpy(),
                                                                        s["out_norm"].to_numpy())
-    flags = script.certificate_flags(pd.DataFrame(), s, [0.1, 0.05], 0.05)
+    from kvcert.analysis import certificate_diagnostics as diag
+
+    flags = diag.certificate_flags(pd.DataFrame(), s, [0.1, 0.05], 0.05)
     overall = flags[flags["layer"] == "all"].set_index("epsilon")
     assert sorted(overall.index) == [0.05, 0.1]
     assert set(overall["sizing"]) == {"fixed"} and set(overall["family"]) == {"adakv"}
@@ -248,7 +265,7 @@ def test_certificate_flags_of_a_fixed_budget_at_every_study_level(script):
     assert overall.loc[0.1, columns].tolist() == pytest.approx([1 / 3, 1 / 3, 1, 0])
     assert overall.loc[0.05, columns].tolist() == pytest.approx([2 / 3, 2 / 3, 1, 0])
     assert overall["n_met_step_rows"].tolist() == [0, 0] and overall["met_flagged"].isna().all()
-    heads = script.certificate_heads(pd.DataFrame(), s, [0.1, 0.05])
+    heads = diag.certificate_heads(pd.DataFrame(), s, [0.1, 0.05])
     assert len(heads) == 2 and heads["kept_fraction"].isna().all() and heads["rank"].tolist() == [1, 1]
 
 
@@ -266,14 +283,16 @@ def test_certificate_items_score_wrong_answers_by_their_share_of_flagged_rows(sc
                                                                        s["out_norm"].to_numpy())
     items = pd.DataFrame([item(i, "snapkv", "poisson", 0.5, i in ("a", "b"), 50) for i in certs]).assign(
         model="m", configuration="fixed poisson 0.5")
-    table = script.certificate_items(items, s, [0.1])
+    from kvcert.analysis import certificate_diagnostics as diag
+
+    table = diag.certificate_items(items, s, [0.1])
     row = table.iloc[0]
     assert len(table) == 1 and row["n_items"] == 4 and row["n_wrong"] == 2
     assert row[["flagged_right", "flagged_wrong", "above_right", "above_wrong"]].tolist() == \
         pytest.approx([0.25, 0.75, 0.25, 0.0])
     assert row["auc_flagged"] == pytest.approx(0.875) and row["auc_above"] == pytest.approx(0.25)
     # every item right: no AUC
-    same = script.certificate_items(items.assign(correct=True), s, [0.1]).iloc[0]
+    same = diag.certificate_items(items.assign(correct=True), s, [0.1]).iloc[0]
     assert same["n_wrong"] == 0 and np.isnan(same["auc_flagged"]) and np.isnan(same["flagged_wrong"])
 
 
@@ -382,6 +401,31 @@ def test_configurations_are_the_recorded_configs_columns_not_the_cells_names(scr
 
 def test_no_configuration_is_parsed_from_a_name():
     """The analysis scripts label and group configurations by columns: no startswith/split on a name."""
-    for name in ("certified_budgets", "heldout_check", "heldout_paired"):
-        source = (ROOT / "workflow" / "scripts" / f"{name}.py").read_text()
+    for path in [*(ROOT / "workflow" / "scripts" / f"{name}.py" for name in ("certified_budgets", "heldout_check",
+                                                                          "heldout_paired")),
+                 *(ROOT / "src" / "kvcert" / "analysis" / f"{name}.py" for name in ("certified", "heldout",
+                                                                                   "certificate_diagnostics"))]:
+        source, name = path.read_text(), path.name
         assert ".startswith(" not in source and ".split(\"_\")" not in source and ".split('_')" not in source, name
+
+
+def test_the_diagnostics_notebook_writes_the_tables_its_module_computes(cells, tmp_path):
+    """The notebook's code cells (workflow/notebooks/certified_diagnostics.py.ipynb), run in-process with the
+    object Snakemake's notebook directive gives them, write exactly the diagnostics module's tables and a figure."""
+    import json
+    from types import SimpleNamespace
+
+    notebook = json.loads((ROOT / "workflow" / "notebooks" / "certified_diagnostics.py.ipynb").read_text())
+    out = tmp_path / "nb"
+    out.mkdir()
+    names = ("certificate_flags", "certificate_items", "certificate_heads")
+    namespace = {"snakemake": SimpleNamespace(
+        params=SimpleNamespace(cells=cells, epsilons=[0.1, 0.05], delta=0.05),
+        output=SimpleNamespace(**{name: str(out / f"{name}.csv") for name in names}, png=str(out / "flags.png")))}
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            exec("".join(cell["source"]), namespace)  # noqa: S102 (our own notebook)
+    diagnostics(cells, [0.1, 0.05], 0.05, tmp_path / "module")
+    for name in names:
+        assert (out / f"{name}.csv").read_text() == (tmp_path / "module" / f"{name}.csv").read_text(), name
+    assert (out / "flags.png").stat().st_size > 0

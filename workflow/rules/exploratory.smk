@@ -8,8 +8,10 @@
 SENSITIVITY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "sensitivity"]
 CERTIFIED_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "certified_budgets"]
 ACCURACY_STUDIES = [name for name, spec in EXPLORATORY.items() if spec["analysis"] == "accuracy"]
-CERTIFIED_TABLES = ("summary", "coverage_by_layer", "coverage_by_step", "targets", "certificate_flags",
-                    "certificate_items", "certificate_heads")
+CERTIFIED_TABLES = ("summary", "coverage_by_layer", "coverage_by_step", "targets")
+# The certificate's diagnostics, added after the held-out checks were read: a notebook's (rule
+# notebook_certified_diagnostics; kvcert.analysis.certificate_diagnostics), published beside the study's tables.
+DIAGNOSTIC_TABLES = ("certificate_flags", "certificate_items", "certificate_heads")
 # Held-out checks: a certified-budgets study whose `check` names the study it is checked against; its criterion is
 # the scale's locked spec (preregistration/exploratory/<scale>.yaml, kvcert.analysis.heldout), written before the
 # check's cells ran.
@@ -20,7 +22,9 @@ EXPLORATORY_OUTPUTS = [
       for path in (f"{OUT}/{name}/{name}.csv", f"{FIG}/{name}.png", f"{FIG}/{name}.pdf")),
     *(path for name in CERTIFIED_STUDIES
       for path in (*(f"{OUT}/{name}/{table}.csv" for table in CERTIFIED_TABLES),
-                   f"{FIG}/{name}/{name}.png", f"{FIG}/{name}/{name}.pdf")),
+                   f"{FIG}/{name}/{name}.png", f"{FIG}/{name}/{name}.pdf",
+                   *(f"{OUT}/{name}/{table}.csv" for table in DIAGNOSTIC_TABLES),
+                   f"{FIG}/{name}/certificate_flags.png", f"{OUT}/{name}/notebooks/certified_diagnostics.ipynb")),
     *(f"{OUT}/{name}/{table}.csv" for name in CHECKED_STUDIES for table in ("check", "decisions")),
     *(f"{OUT}/{name}/paired.csv" for name in CHECKED_STUDIES),
     *(f"{OUT}/{name}/accuracy.csv" for name in ACCURACY_STUDIES),
@@ -93,6 +97,46 @@ rule certified_budgets:
         delta=lambda wc: S["exploratory"][wc.name]["delta"],
     script:
         "../scripts/certified_budgets.py"
+
+
+# Exploratory, added after the held-out checks were read (no part of any check): what the per-step certificate
+# flagged, per configuration, item and head (workflow/notebooks/certified_diagnostics.py.ipynb).
+rule notebook_certified_diagnostics:
+    input:
+        item_tables=lambda wc: [f"{d}/items.parquet" for d in cell_dirs(wc.name)],
+        step_tables=lambda wc: [f"{d}/steps.parquet" for d in cell_dirs(wc.name)],
+    output:
+        **{table: f"{OUT}/{{name}}/{table}.csv" for table in DIAGNOSTIC_TABLES},
+        png=f"{FIG}/{{name}}/certificate_flags.png",
+    log:
+        notebook=f"{OUT}/logs/notebooks/certified_diagnostics-{{name}}.ipynb",
+    wildcard_constraints:
+        name="|".join(CERTIFIED_STUDIES) or "no-certified-budgets-study",
+    params:
+        analysis=ANALYSIS_FINGERPRINT,
+        cells=lambda wc: certified_cells(wc.name),
+        epsilons=lambda wc: S["exploratory"][wc.name]["targets"],
+        delta=lambda wc: S["exploratory"][wc.name]["delta"],
+    notebook:
+        "../notebooks/certified_diagnostics.py.ipynb"
+
+
+rule publish_certified_diagnostics:
+    input:
+        executed=lambda wc: [f"{OUT}/{wc.name}/{table}.csv" for table in DIAGNOSTIC_TABLES],
+    output:
+        f"{OUT}/{{name}}/notebooks/certified_diagnostics.ipynb",
+    wildcard_constraints:
+        name="|".join(CERTIFIED_STUDIES) or "no-certified-budgets-study",
+    params:
+        notebook=lambda wc: f"{OUT}/logs/notebooks/certified_diagnostics-{wc.name}.ipynb",
+        rule="notebook_certified_diagnostics",
+        inputs=lambda wc: {"item_tables": [f"{d}/items.parquet" for d in cell_dirs(wc.name)],
+                           "step_tables": [f"{d}/steps.parquet" for d in cell_dirs(wc.name)]},
+        outputs=lambda wc: [*(f"{OUT}/{wc.name}/{table}.csv" for table in DIAGNOSTIC_TABLES),
+                            f"{FIG}/{wc.name}/certificate_flags.png"],
+    script:
+        "../scripts/publish_notebook.py"
 
 
 rule certified_budgets_check:
