@@ -331,6 +331,14 @@ certified-budgets-heldout-3:
 pilot-amendment: install model
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete amendment_design --config amendment=$(AMENDMENT)
 
+## An amendment's pilot cost before it runs, for a pilot method that runs cells (smallest_defense_covering): the
+## estimate from the measured times its data names (pilot.cost_from), printed; nothing runs.
+## make pilot-amendment-cost AMENDMENT=6
+.PHONY: pilot-amendment-cost
+pilot-amendment-cost: install
+	$(BIN)/python workflow/scripts/pilot.py --estimate --amendment preregistration/amendment-$(AMENDMENT)/amendment.yaml \
+		--method $$($(BIN)/python -c "from kvcert.analysis import prereg; print(prereg.version($(AMENDMENT), '.').pilot)")
+
 ## Recompute committed studies into results/verify and compare their rows of claims.csv, reproduction.csv
 ## and accuracy.csv with the committed ones: make verify-results STUDIES=v3 (any of the default scale's
 ## studies; default all, about 13 hours on 2 cores: about 5 the powered study v2-full, 2 h 46 min the powered

@@ -86,9 +86,11 @@ def test_prereg_verify_passes_on_an_unedited_copy(tmp_path):
     # Every locked version of the repository is verified in the copy, each with its lock's file count and time.
     locked = [n for n, known in sorted(prereg.versions(ROOT).items()) if (ROOT / known.lock).is_file()]
     assert locked[0] == 1 and len(locked) >= 5
+    drafts = [n for n in sorted(prereg.versions(ROOT)) if n not in locked]  # a draft amendment: named, not verified
     assert proc.stdout.strip() == "; ".join(
-        f"version {n} lock OK ({len(lock['files'])} files, locked {lock['locked_at_utc']})"
-        for n, lock in ((n, prereg.read_lock(ROOT, n)) for n in locked))
+        [f"version {n} lock OK ({len(lock['files'])} files, locked {lock['locked_at_utc']})"
+         for n, lock in ((n, prereg.read_lock(ROOT, n)) for n in locked)]
+        + [f"version {n} is a draft (not locked)" for n in drafts])
 
 
 @pytest.mark.parametrize("edit, expected", [pytest.param(*c[1:], id=c[0]) for c in PREREG_CASES])

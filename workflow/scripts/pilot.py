@@ -702,7 +702,7 @@ def pilot_coverage(cells: Path, names: list[str], delta: float) -> dict[tuple[fl
     return out
 
 
-@register_method("pilot", "smallest_defense_covering", steps="whole")
+@register_method("pilot", "smallest_defense_covering", steps="whole", estimates=True)
 def smallest_defense_covering(args, pilot: dict) -> None:
     """Amendment 6's method: the reused population (pilot.population_from) plus the defense the pilot chose
     (``chosen``: eta and lambda by ``smallest_covering``) and the pilot's coverage table (``defense_pilot``)."""
@@ -792,6 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.model is None and POPULATION_STEPS.get(args.method) != "whole":
         parser.error(f"--method {args.method} needs --model")
+    if args.estimate and not getattr(PILOTS[args.method], "estimates", False):
+        parser.error(f"--estimate: pilot method {args.method} runs no cells to estimate")
     if args.out is None and not args.estimate:
         parser.error("--out is required (but with --estimate)")
     PILOTS[args.method](args, amendment_data(args.amendment)["pilot"])
