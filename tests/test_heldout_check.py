@@ -41,9 +41,9 @@ def test_the_locked_spec_recomputes_the_committed_check_byte_for_byte(check, sca
     """The spec transcribed from the scale's comment, decided through verdicts.decide, writes the committed
     check.csv from the committed summary.csv; the scale's own check keys agree with the spec."""
     folder = ROOT / "results" / scale / "certified-budgets"
-    from kvcert.scales import load_scale
+    from kvcert.scales import load_scale, scales_folder
 
-    scale_check = load_scale(scale, ROOT / "workflow" / "scales")["exploratory"]["certified-budgets"]["check"]
+    scale_check = load_scale(scale, scales_folder(ROOT))["exploratory"]["certified-budgets"]["check"]
     check.main(folder / "summary.csv", scale, ROOT, dict(scale_check), tmp_path / "check.csv",
                tmp_path / "decisions.csv")
     assert (tmp_path / "check.csv").read_text() == (folder / "check.csv").read_text()
