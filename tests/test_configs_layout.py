@@ -123,3 +123,32 @@ def test_a_built_wheel_ships_the_run_configs_and_composes_from_them(tmp_path):
     assert there.returncode == 0 and here.returncode == 0, there.stderr[-2000:] + here.stderr[-2000:]
     assert there.stdout.splitlines()[0] == str(installed / "hydra_app.py")
     assert there.stdout.splitlines()[1:] == here.stdout.splitlines()[1:] and "gemma" in there.stdout
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.email=t@example.org", "-c", "user.name=t", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_an_edited_run_config_makes_the_checkout_dirty(tmp_path):
+    # A checkout laid out as the repository: the package's conf/ a link to configs/run.
+    repo = tmp_path / "checkout"
+    package = repo / "src" / "kvcert"
+    shutil.copytree(PACKAGE, package, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(RUN_CONFIGS, repo / "configs" / "run")
+    (repo / "results").mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "x")
+    provenance.source_checkout.cache_clear()
+    assert provenance.source_checkout(package)["dirty"] is False
+    (repo / "results" / "table.csv").write_text("a\n")  # results beside the package do not count
+    provenance.source_checkout.cache_clear()
+    assert provenance.source_checkout(package)["dirty"] is False
+    run = repo / "configs" / "run" / "run.yaml"
+    run.write_text(run.read_text() + "\n")
+    provenance.source_checkout.cache_clear()
+    try:
+        assert provenance.source_checkout(package)["dirty"] is True
+    finally:
+        provenance.source_checkout.cache_clear()
