@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcert.analysis import prereg
+from kvcert.analysis import prereg, prereg_cli
 from kvcert.analysis.errors import PreregistrationError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def test_verify_refuses_after_an_edited_threshold(repo, capsys):
     claims.write_text(claims.read_text().replace("threshold: 0.65", "threshold: 0.6", 1))
     with pytest.raises(PreregistrationError, match=r"preregistration/claims.yaml changed since the lock"):
         prereg.verify_lock(repo)
-    assert prereg.main(["--root", str(repo), "verify"]) == 1
+    assert prereg_cli.main(["--root", str(repo), "verify"]) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "preregistration/claims.yaml changed since the lock" in last and "frozen" in last
 
@@ -69,13 +69,13 @@ def test_lock_refuses_to_overwrite(repo):
     prereg.write_lock(repo)
     with pytest.raises(PreregistrationError, match="already exists"):
         prereg.write_lock(repo)
-    assert prereg.main(["--root", str(repo), "lock", "--force"]) == 0
+    assert prereg_cli.main(["--root", str(repo), "lock", "--force"]) == 0
 
 
 def test_render_check_and_find_root(repo, monkeypatch):
-    assert prereg.main(["--root", str(repo), "render", "--check"]) == 0
+    assert prereg_cli.main(["--root", str(repo), "render", "--check"]) == 0
     (repo / prereg.RENDERED_FILE).write_text("edited by hand\n")
-    assert prereg.main(["--root", str(repo), "render", "--check"]) == 1
+    assert prereg_cli.main(["--root", str(repo), "render", "--check"]) == 1
     monkeypatch.chdir(repo / "src" / "kvcert")
     assert prereg.find_root() == repo.resolve()
 
@@ -109,9 +109,9 @@ def test_verify_cli_checks_every_lock(repo, capsys):
     shutil.copy(ROOT / "src" / "kvcert" / "analysis" / "amendment2.py", repo / "src" / "kvcert" / "analysis")
     (repo / prereg.version(2, repo).lock).unlink(missing_ok=True)
     prereg.write_lock(repo)
-    assert prereg.main(["--root", str(repo), "verify"]) == 1  # the amendment exists but is not locked
+    assert prereg_cli.main(["--root", str(repo), "verify"]) == 1  # the amendment exists but is not locked
     assert "amendment-2.lock is missing" in capsys.readouterr().err
     prereg.write_lock(repo, number=2)
-    assert prereg.main(["--root", str(repo), "verify"]) == 0
+    assert prereg_cli.main(["--root", str(repo), "verify"]) == 0
     out = capsys.readouterr().out
     assert "version 1 lock OK" in out and "version 2 lock OK" in out

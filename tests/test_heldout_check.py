@@ -16,7 +16,7 @@ import pytest
 from helpers.scripts import workflow_script
 from kvcert.analysis import heldout
 from kvcert.analysis.errors import AnalysisError, PreregistrationError
-from kvcert.analysis.prereg import main as prereg_main
+from kvcert.analysis.prereg_cli import main as prereg_main
 from kvcert.analysis.verdicts import NOT_SUPPORTED, SUPPORTED
 
 ROOT = Path(__file__).resolve().parents[1]

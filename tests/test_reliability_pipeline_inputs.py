@@ -8,6 +8,7 @@ repository's own lock, so the clean copy must verify), synthetic cells, and a co
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -79,7 +80,7 @@ def _prereg(*args):
 
 
 def test_prereg_verify_passes_on_an_unedited_copy(tmp_path):
-    from kvcert.analysis import prereg
+    from kvcert.analysis import heldout, prereg
 
     proc = _prereg("--root", str(_copy_prereg(tmp_path)), "verify")
     assert proc.returncode == 0, proc.stderr
@@ -90,7 +91,10 @@ def test_prereg_verify_passes_on_an_unedited_copy(tmp_path):
     assert proc.stdout.strip() == "; ".join(
         [f"version {n} lock OK ({len(lock['files'])} files, locked {lock['locked_at_utc']})"
          for n, lock in ((n, prereg.read_lock(ROOT, n)) for n in locked)]
-        + [f"version {n} is a draft (not locked)" for n in drafts])
+        + [f"version {n} is a draft (not locked)" for n in drafts]
+        + [f"exploratory {scale} lock OK ({len(lock['files'])} files, locked {lock['locked_at_utc']})"
+           for scale, lock in ((s, json.loads((ROOT / "preregistration" / "exploratory" / f"{s}.lock").read_text()))
+                               for s in heldout.locked_scales(ROOT))])
 
 
 @pytest.mark.parametrize("edit, expected", [pytest.param(*c[1:], id=c[0]) for c in PREREG_CASES])
@@ -219,7 +223,9 @@ def workflow_copy(tmp_path_factory):
 
 
 @pytest.mark.parametrize("args, expected", [pytest.param(*c[1:], id=c[0]) for c in DAG_CASES])
-@pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "run"])
+# The Snakefile checks --config before any job is planned, the same way for a run and a dry run: the run (which
+# could write) in make test, the dry run in make test-full (test_workflow.py checks one dry run's line in make test).
+@pytest.mark.parametrize("dry", [pytest.param(True, marks=pytest.mark.slow, id="dry-run"), pytest.param(False, id="run")])
 def test_dag_bad_config_is_one_line(args, expected, dry, workflow_copy):
     before = sorted(p.name for p in workflow_copy.iterdir())
     proc = snakemake(workflow_copy, *(["-n"] if dry else ["--cores", "1"]), *args)
