@@ -8,10 +8,10 @@ tokens), compressed by:
 
 * ``kvpress``: kvpress 0.5.5's ``SnapKVPress`` (window 64, kernel 5) or ``KnormPress`` in the peer environment
   (benchmarks/kvpress_worker.py, one long-lived process that loads the same converted safetensors);
-* ``kvcert-topk``: ``kvcert.press(design="topk")`` with the same scorer set up as kvpress's: snapkv with
+* ``kvcert_topk``: ``kvcert.press(design="topk")`` with the same scorer set up as kvpress's: snapkv with
   observation window 64, kernel 5, average pooling, and the window kept with certainty (n_sink 0, n_recent 64, as
   kvpress scores the window above every other key); knorm with no sinks and only the last token certain;
-* ``kvcert-poisson``: the same with ``design="poisson"`` and the certificate (seed 0): what the certificate adds.
+* ``kvcert_poisson``: the same with ``design="poisson"`` and the certificate (seed 0): what the certificate adds.
 
 Each (item, scorer, ratio) runs the three side by side, the order reversed every other time (ABC CBA ...), after an
 untimed warm-up of each on the first item's first WARM_UP_TOKENS tokens (and on the batch's rows' first ones); then each (scorer, ratio) once more on a
@@ -68,7 +68,7 @@ OUT = Path("results/exploratory/press-vs-kvpress")
 WORKER = Path(__file__).resolve().parent / "kvpress_worker.py"
 SEED = 6161  # a data seed no study, pilot or probe uses
 TASKS = ["niah_single", "niah_multikey_2"]
-SYSTEMS = ("kvpress", "kvcert-topk", "kvcert-poisson")
+SYSTEMS = ("kvpress", "kvcert_topk", "kvcert_poisson")
 TIME_TARGET = 1.05
 WARM_UP_TOKENS = 256
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(system: str, ids: list[int] | list[list[int]], scorer: str, ratio: float) -> dict:
         if system == "kvpress":
             return {**peer.run(ids, scorer, ratio, args.new_tokens), "max_rel_cert": float("nan")}
-        press = kvcert_press(scorer, ratio, system.split("-")[1])
+        press = kvcert_press(scorer, ratio, system.split("_")[1])
         out = measure(model, ids, args.new_tokens, press(model))
         return {**out, "max_rel_cert": max(c.max_rel_cert for c in press.certificates)}
 
@@ -251,14 +251,14 @@ def main(argv: list[str] | None = None) -> int:
                        "cache_bytes_ratio_median", "answers_equal_kvpress", "kvpress_tokens_per_s_median",
                        "tokens_per_s_median", "max_rel_cert_median"]].to_string(
                            index=False, float_format=lambda v: f"{v:.3f}"))
-    topk = summary[summary.system == "kvcert-topk"]
+    topk = summary[summary.system == "kvcert_topk"]
     time_met = bool((topk.time_ratio_median <= TIME_TARGET).all())
     memory_met = bool((topk.peak_rss_ratio_median <= 1.0).all())
     print(f"target, kvcert top-k time <= {TIME_TARGET}x kvpress's: {'met' if time_met else 'NOT met'} "
           f"(median time ratios {', '.join(f'{v:.3f}' for v in topk.time_ratio_median)})")
     print(f"target, kvcert top-k peak RSS <= kvpress's: {'met' if memory_met else 'NOT met'} "
           f"(median peak-RSS ratios {', '.join(f'{v:.3f}' for v in topk.peak_rss_ratio_median)})")
-    poisson = summary[summary.system == "kvcert-poisson"].set_index(["batch", "scorer", "compression_ratio"])
+    poisson = summary[summary.system == "kvcert_poisson"].set_index(["batch", "scorer", "compression_ratio"])
     top = topk.set_index(["batch", "scorer", "compression_ratio"])
     added_time = poisson.time_ratio_median / top.time_ratio_median
     added_rss = poisson.peak_rss_ratio_median / top.peak_rss_ratio_median
