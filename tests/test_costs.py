@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -97,6 +98,8 @@ def test_plan_prints_jobs_memory_and_gpu_hours_for_the_paper_scale(scale_dag, mo
     # kvcert-plan in this process, its jobs from the session's dry run of the paper scale (tests/conftest.py; the
     # same kvcert.plan.plan_jobs, built once for every test that reads that DAG).
     monkeypatch.setattr(plan_module, "plan_jobs", lambda name, root: scale_dag(name))
+    # the text and the --json output below print one plan: kvcert.plan.plan_scale computed once for both
+    monkeypatch.setattr(plan_module, "plan_scale", functools.cache(plan_module.plan_scale))
     assert plan_module.main(["scale=paper", "--root", str(ROOT)]) == 0
     out = capsys.readouterr().out
     assert "jobs per rule: cell 160" in out  # study paper's 18 cells x 8 shards, the leaderboard's 4 x 4

@@ -484,10 +484,14 @@ def test_errors_page_lists_every_refusal_of_kvcert_calibrate():
         assert case[3].format(d="<dir>", file="<file>") in section, case[0]
 
 
-def test_paper_scale_plan_is_kvcert_plans_output():
+def test_paper_scale_plan_is_kvcert_plans_output(scale_dag, monkeypatch):
     """docs/cluster.md shows `kvcert-plan scale=paper` as the code prints it, and its prose reads that output."""
+    from kvcert import plan as plan_module
     from kvcert.plan import plan_scale, render
 
+    # the jobs from the session's dry run of the paper scale (tests/conftest.py's scale_dag: kvcert.plan.plan_jobs,
+    # built once for every test that reads that DAG)
+    monkeypatch.setattr(plan_module, "plan_jobs", lambda name, root: scale_dag(name))
     page = text(DOCS / "cluster.md")
     shown = page.split("$ kvcert-plan scale=paper\n", 1)[1].split("```", 1)[0]
     printed = render(plan_scale("paper", ROOT)) + "\n"

@@ -6,6 +6,7 @@ Dry runs only: nothing is submitted, and no SLURM installation is needed.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -33,10 +34,12 @@ def _snakemake(*args, env_extra=None, timeout=300):
                           timeout=timeout)
 
 
-def _dag_rules() -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _dag_rules() -> frozenset[str]:
+    """The DAG's rules, from one `snakemake --list-rules` per session."""
     proc = _snakemake("--list-rules")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return {line.strip() for line in proc.stdout.splitlines() if re.fullmatch(r"\s*\w+\s*", line)}
+    return frozenset(line.strip() for line in proc.stdout.splitlines() if re.fullmatch(r"\s*\w+\s*", line))
 
 
 def _load(profile: str) -> dict:
@@ -85,7 +88,9 @@ def _resources_by_rule(output: str) -> dict[str, list[dict[str, str]]]:
 SITE = {"KVCERT_SLURM_ACCOUNT": "acct1", "KVCERT_SLURM_PARTITION": "cpu1", "KVCERT_SLURM_GPU_PARTITION": "gpu1"}
 
 
-@pytest.mark.parametrize("gpus", ["2", "0", None])
+# A paper-scale dry run each: "0" (cells without a GPU, which test_partition_and_account_fall_back_to_sbatch_variables
+# checks on the smoke scale too) runs in make test-full.
+@pytest.mark.parametrize("gpus", ["2", pytest.param("0", marks=pytest.mark.slow), None])
 def test_the_profile_resolves_site_settings_and_gpus_per_cell(gpus):
     env = dict(SITE, **({"KVCERT_SLURM_CELL_GPUS": gpus} if gpus is not None else {}))
     proc = _snakemake("-n", "--workflow-profile", str(PROFILES / "slurm"), "--config", "scale=paper",

@@ -193,8 +193,15 @@ def test_context_above_window_is_truncated_with_truncate_middle(fixtures, tmp_pa
     assert (items["context_tokens"] + 2 <= 60).all()  # prompt + max_new_tokens fit
 
 
-# Rows also run through the installed console script in a fresh process (exit status of the process).
+# Rows also run through the installed console script in a fresh process (exit status of the process). A fresh
+# process costs seconds (torch and transformers imported again): the first case runs in make test, the others,
+# whose lines the in-process test above checks in make test too, in make test-full.
 SUBPROCESS_CASES = ["budget-zero", "gguf-random-bytes", "jsonl-bad-line"]
+
+
+def _console_params(cases):
+    return [pytest.param(*p.values, marks=[*p.marks, *([pytest.mark.slow] if i else [])], id=p.id)
+            for i, p in enumerate(_params(cases))]
 
 
 def _console(name: str) -> list[str]:
@@ -202,7 +209,7 @@ def _console(name: str) -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", "kvcert.runner.cli"]
 
 
-@pytest.mark.parametrize("base, extra, expected", _params([c for c in CASES if c[0] in SUBPROCESS_CASES]))
+@pytest.mark.parametrize("base, extra, expected", _console_params([c for c in CASES if c[0] in SUBPROCESS_CASES]))
 def test_console_script(base, extra, expected, fixtures, tmp_path):
     out_dir = tmp_path / "cell"
     argv = _argv(base, extra, fixtures, out_dir)

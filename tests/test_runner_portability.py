@@ -219,11 +219,12 @@ def test_foreign_workload_on_hf_directory_with_sliding_window_and_mqa(tmp_path, 
                                        tolerance=0.05)
 
 
-def test_attention_logit_softcapping_is_refused_in_one_line(tmp_path, workload):
-    """Gemma2 caps attention logits (tanh); the kvcert estimator does not, so the run must refuse, not mis-compute."""
+def test_attention_logit_softcapping_is_refused_in_one_line(tmp_path, workload, capsys):
+    """Gemma2 caps attention logits (tanh); the kvcert estimator does not, so the run must refuse, not mis-compute.
+    kvcert-run's main in this process (a fresh process would import torch again for one refusal)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    import kvcert
+    from kvcert.runner import cli
 
     tokenizer = byte_level_tokenizer()  # built here: no model download
     config = Gemma2Config(
@@ -236,13 +237,18 @@ def test_attention_logit_softcapping_is_refused_in_one_line(tmp_path, workload):
     Gemma2ForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     path, _ = workload
-    proc = run_cell(["data=jsonl", f"data.path={path}", "model=hf", f"model.name={directory}", "policies=[snapkv]",
-                     "designs=[poisson]", "budgets=[0.5]", "n_items=1", "threads=1", f"out_dir={tmp_path / 'cell'}"],
-                    check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("kvcert-run: error:")]
-    assert len(errors) == 1 and "soft-capping" in errors[0], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+    threads = torch.get_num_threads()
+    try:
+        rc = cli.main(["progress=false", "data=jsonl", f"data.path={path}", "model=hf", f"model.name={directory}",
+                       "policies=[snapkv]", "designs=[poisson]", "budgets=[0.5]", "n_items=1", "threads=1",
+                       f"out_dir={tmp_path / 'cell'}"])
+    finally:
+        torch.set_num_threads(threads)
+    stderr = capsys.readouterr().err
+    assert rc == 2, stderr[-2000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("kvcert-run: error:")]
+    assert len(errors) == 1 and "soft-capping" in errors[0], stderr[-2000:]
+    assert "Traceback" not in stderr
     assert not (tmp_path / "cell" / "items.parquet").exists()
 
 

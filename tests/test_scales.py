@@ -223,8 +223,12 @@ def test_longbench_cells_read_the_fetched_copy_unless_they_have_a_path():
     assert longbench_subsets(rehearse, expand_cells(rehearse)) == []
 
 
-@pytest.mark.parametrize("scale", ["paper", "rehearse", "smoke", "default", "sensitivity", "certified-budgets"])
-def test_the_dag_runs_the_jobs_the_expansion_lists(scale):
+# The DAG a fresh output folder schedules (no job forced) against kvcert-plan's forced DAG: the smoke and default
+# scales in make test; the larger ones, a paper-scale dry run each, in make test-full (test_workflow.py's
+# test_dry_run_is_clean checks every scale's forced DAG against its expansion in make test).
+@pytest.mark.parametrize("scale", ["smoke", "default", *(pytest.param(name, marks=pytest.mark.slow) for name in
+                                                        ("paper", "rehearse", "sensitivity", "certified-budgets"))])
+def test_the_dag_runs_the_jobs_the_expansion_lists(scale, scale_dag):
     proc = subprocess.run([str(BIN / "snakemake"), "-n", "--quiet", "rules", "--config", f"scale={scale}",
                            f"outdir=results/dryrun-{scale}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=300)
@@ -235,10 +239,9 @@ def test_the_dag_runs_the_jobs_the_expansion_lists(scale):
     computed = [name for name, st in studies(loaded).items() if not st["archived"]]
     assert int(counts.get("claim", 0)) == 7 * len(computed)
     # kvcert-plan reads its job count from the DAG, every job forced (the fetch rules and verify_preregistration
-    # run only when their outputs are missing, so this dry run may not list them).
-    from kvcert.plan import plan_jobs
-
-    planned = plan_jobs(scale, ROOT)
+    # run only when their outputs are missing, so this dry run may not list them): kvcert.plan.plan_jobs's dry run,
+    # built once per scale and session (conftest.py's scale_dag).
+    planned = scale_dag(scale)
     skipped = {"fetch_model", "fetch_longbench", "verify_preregistration"}
     assert {k: v for k, v in planned.items() if k not in skipped} == {
         k: int(v) for k, v in counts.items() if k not in skipped | {"total"}}

@@ -205,6 +205,7 @@ def test_generate_end_to_end(smollm2):
         assert math.isfinite(sum(res.logprobs))
 
 
+@pytest.mark.slow  # make test-full: a benchmark script end to end (seconds of decoding)
 def test_certificate_overhead_benchmark_runs(capsys):
     """The benchmark script end to end on a short context (its timings are printed, never asserted)."""
     import importlib.util
@@ -224,6 +225,7 @@ def test_certificate_overhead_benchmark_runs(capsys):
     assert abs(float(cells[-2]) - 0.25) < 0.01 and 0.2 < float(cells[-1]) < 0.35
 
 
+@pytest.mark.slow  # make test-full: a benchmark script end to end (seconds of decoding)
 def test_certificate_overhead_parts_benchmark_runs(capsys, monkeypatch):
     """The PyTorch-path breakdown end to end on a short context: one row of four ratios, every configuration
     decoding the same tokens (the script asserts it), and the library's functions restored afterwards (its
@@ -253,6 +255,7 @@ def test_certificate_overhead_parts_benchmark_runs(capsys, monkeypatch):
     assert os.environ.get("KVCERT_KERNELS") == kernels_setting
 
 
+@pytest.mark.slow  # make test-full: an exploratory script end to end (two items generated and decoded)
 def test_task_probe_runs_and_scores_like_the_runner(tmp_path, capsys):
     """The exploratory task probe end to end: one small item per variant, a CSV row each, and its accuracy the
     share that kvcert.data's scoring calls correct (checked against the answer it records)."""
