@@ -130,8 +130,10 @@ device-check-standin:
 ## The test tiers, by marker (pyproject.toml describes each marker; tests/test_mutations.py reads these two lines):
 ## make test, README's test command, runs the unit tests and the real-model tests (its budget: 12 minutes on 2 cores);
 ## make test-full runs what it leaves out that CI still runs (marker slow: the smoke DAG end to end, the held-out
-## calibration check, the planted mutations, the other end-to-end runs of a minute or more). CI runs both, then
-## make test-cluster and make test-slurm; make test-long is outside CI.
+## calibration check, the planted mutations, the other end-to-end runs of a minute or more, benchmark scripts end to
+## end, and the further cases of a parametrization whose every case pays one expensive path, such as a large scale's
+## dry run, where make test keeps one or two). CI runs both, then make test-cluster and make test-slurm; make
+## test-long is outside CI.
 TEST_MARKERS := not slurm and not long and not cluster and not slow
 TEST_FULL_MARKERS := slow and not slurm and not long and not cluster
 
