@@ -14,10 +14,11 @@ tokens), compressed by:
 * ``kvcert_poisson``: the same with ``design="poisson"`` and the certificate (seed 0): what the certificate adds.
 
 Each (item, scorer, ratio) runs the three side by side, the order reversed every other time (ABC CBA ...), after an
-untimed warm-up of each on the first item's first WARM_UP_TOKENS tokens (and on the batch's rows' first ones); then each (scorer, ratio) once more on a
-batch of the --batch first items, decoded together (below), the three side by side in the same rotation. Both processes run torch with --threads
-threads and measure with the same code (kvpress_worker.measure): seconds of the whole generate call, prefill seconds
-(until the first new token), decode tokens per second, the peak resident set size sampled every millisecond during
+untimed warm-up of each on the first item's first WARM_UP_TOKENS tokens (and on the batch's rows' first ones);
+then each (scorer, ratio) once more on a batch of the --batch first items, decoded together (below), the three side
+by side in the same rotation. Both processes run torch with --threads threads and measure with the same code
+(kvpress_worker.measure): seconds of the whole generate call, prefill seconds (until the first new token), decode
+tokens per second, the peak resident set size sampled every millisecond during
 the call less the RSS just before it (freed heap returned to the system first: RSS, not a tracemalloc count, since
 torch's tensors bypass tracemalloc), and the bytes of the cache generate returns (kvcert: its buffers with their
 spare slots and per-slot log pi, offset and position). Agreement: the generated ids equal kvpress's, token for token.

@@ -15,11 +15,11 @@ from helpers.tiny_models import build, prompt
 from transformers.cache_utils import Cache
 
 import kvcert
-from kvcert import presses
-from kvcert.cache import CompressedLayer
+from kvcert import cache as cache_module
+from kvcert.cache import DECODE_CHUNK, CompressedLayer
 from kvcert.generation import Configuration, decode_configurations
 from kvcert.policies import prefill_needs
-from kvcert.presses import DECODE_CHUNK, PressCache
+from kvcert.presses import PressCache
 
 STEPS = 5
 
@@ -116,7 +116,7 @@ def test_the_cache_after_prefill_holds_the_kept_slots_and_at_most_a_chunk(chunk,
     min(DECODE_CHUNK, max_new_tokens − 1) slots for generated tokens; at the end no more than the kept slots plus
     max_new_tokens (the slots grow on demand). Batch rows (a padded batch) get the same. The second case sets
     DECODE_CHUNK to 4 (a patched constant of our own) so that a short generation grows the slots several times."""
-    monkeypatch.setattr(presses, "DECODE_CHUNK", chunk)
+    monkeypatch.setattr(cache_module, "DECODE_CHUNK", chunk)
     _, model, _ = build("llama")
     ids = _ids()
     after_prefill: list[int] = []
@@ -178,12 +178,12 @@ def test_decode_slots_grow_by_chunks_up_to_the_token_limit():
         return seen
 
     grown = layer_of(40, 4)
-    grown.grow_on_demand(8, 30)
+    grown.grow_on_demand(30, chunk=8)
     seen = capacities(grown, 30)
     assert sorted(set(seen)) == [44, 52, 60, 68, 70]  # chunks of 8, then capped at 40 + 30
     assert grown.filled == 70 and grown.keys[0, 0, 40:].eq(1).all()
     big = layer_of(400, 0)
-    big.grow_on_demand(8, None)
+    big.grow_on_demand(None, chunk=8)
     assert capacities(big, 1) == [400 + 401 // 8]  # an eighth of the cache once that exceeds the chunk
     doubling = layer_of(40, 4)
     assert sorted(set(capacities(doubling, 10))) == [44, 88]

@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from .attention import attach
-from .cache import CompressedCache, CompressedLayer
+from .cache import CompressedCache, CompressedLayer, decode_reserve
 from .certificates import CertificateRecorder
 from .context import AttentionContext
 from .designs import Selection
@@ -344,13 +344,11 @@ class GenerateBatch:
                 del compressed  # the prompt's full cache: one exists at a time
         finally:
             run.busy = False
-        from .presses import DECODE_CHUNK, decode_reserve
-
         cache = stack_rows([layers[i] for i in index], lengths, reserve=decode_reserve(new_tokens), length=n_pad,
                            release=True)
         del layers
         for layer in cache.layers:  # the generated tokens' slots grow on demand, never past max_new_tokens
-            layer.grow_on_demand(DECODE_CHUNK, new_tokens)
+            layer.grow_on_demand(new_tokens)
         run.context = None  # the stand-in forward attends as the model normally would
         return cls(press, cache, torch.cat([logits[i] for i in index]), [fields[i] for i in index], stop)
 

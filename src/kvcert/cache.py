@@ -19,6 +19,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .designs import Selection
 from .estimator import offset_bias, sampled_slots
 
+DECODE_CHUNK = 64  # slots for generated tokens a press's cache allocates at a time (never past max_new_tokens)
+
+
+def decode_reserve(new_tokens: int | None) -> int:
+    """The slots a press's compressed cache allocates at its prefill for generated tokens: DECODE_CHUNK, or fewer
+    where ``generate`` asks for fewer new tokens (its last token is never fed back, so new_tokens − 1 suffice)."""
+    return DECODE_CHUNK if new_tokens is None else max(0, min(DECODE_CHUNK, new_tokens - 1))
+
 
 class CompressedLayer(CacheLayerMixin):
     """One layer: keys/values (batch, kv_heads, slots, head_dim); log_pi, offset and positions (batch, kv_heads, slots).
@@ -96,11 +104,11 @@ class CompressedLayer(CacheLayerMixin):
         self._expose()
         return self.keys, self.values
 
-    def grow_on_demand(self, chunk: int, new_tokens: int | None) -> None:
+    def grow_on_demand(self, new_tokens: int | None, chunk: int | None = None) -> None:
         """Grow full buffers by chunks instead of doubling them: by max(chunk, an eighth of the slots) at a time
-        (amortised: a token is copied a bounded number of times on average), never past the prefix's slots plus
-        ``new_tokens`` (the tokens a generation can still append; None: no limit)."""
-        self.grow_chunk = chunk
+        (amortised: a token is copied a bounded number of times on average; chunk None: DECODE_CHUNK), never past
+        the prefix's slots plus ``new_tokens`` (the tokens a generation can still append; None: no limit)."""
+        self.grow_chunk = DECODE_CHUNK if chunk is None else chunk
         self.max_slots = None if new_tokens is None else self.n_prefix_slots + new_tokens
 
     def _grown(self, m: int) -> int:
@@ -190,4 +198,4 @@ class CompressedCache(Cache):
         return CompressedCache(layers)
 
 
-__all__ = ["CompressedCache", "CompressedLayer"]
+__all__ = ["DECODE_CHUNK", "CompressedCache", "CompressedLayer", "decode_reserve"]

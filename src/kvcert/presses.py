@@ -20,11 +20,11 @@ prefill has run it (``kvcert.generation.LayerSelector``: every allocator and pol
 the full cache of one layer exists at a time, as under kvpress's presses; with a target, design clt, the oracle or
 ``max_cache_tokens`` the forward hook compresses every layer once the prefill has run
 (``configuration_selections``: a target searches its layers' sizes together, the oracle keeps the full cache).
-Slots for generated tokens are allocated DECODE_CHUNK at a time (an eighth more of the cache once it is larger),
-never more than ``generate``'s ``max_new_tokens``. ``generate`` keeps the cache the model returned, so every later
-step attends to the compressed cache with the −log π offset and, with ``certify``, hands its variance to the
-answer's ``CertificateRecorder``. On exit the hooks are removed, the attention implementation is the one before,
-and the registered names are gone.
+Slots for generated tokens are allocated ``kvcert.cache.DECODE_CHUNK`` at a time (an eighth more of the cache once
+it is larger), never more than ``generate``'s ``max_new_tokens``. ``generate`` keeps the cache the model returned,
+so every later step attends to the compressed cache with the −log π offset and, with ``certify``, hands its
+variance to the answer's ``CertificateRecorder``. On exit the hooks are removed, the attention implementation is
+the one before, and the registered names are gone.
 
 A batch (several rows, or a left-padded prompt; ``num_return_sequences``) is compressed row by row and decoded
 together (``kvcert.batching``: each row's prompt prefilled alone on its own tokens, its own retained sets and draw,
@@ -53,7 +53,7 @@ from transformers.pipelines import PIPELINE_REGISTRY
 
 from .allocators import ALLOCATORS, get_allocator
 from .attention import ATTENTION_NAME, padding_mask, register
-from .cache import CompressedCache
+from .cache import CompressedCache, decode_reserve
 from .context import AttentionContext
 from .decode_compression import DecodeCompressor, check_decode_bound
 from .designs import DESIGNS, DesignOptions, check_design_defenses
@@ -67,7 +67,6 @@ from .targets import TargetNotMetWarning, cap_binding_message, check_target
 _GENERATE_DEFAULTS = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
 PRESS_NAME = f"{ATTENTION_NAME}_press"  # the attention implementation a press registers starts with this
 DEFAULT_EPS = 0.1  # the relative certificate above which a step and layer is listed, unless the press says otherwise
-DECODE_CHUNK = 64  # slots for generated tokens the compressed cache allocates at a time (never past max_new_tokens)
 _ALL_STEPS = 2**62  # no limit on the steps of an answer: generate feeds every token but the last
 
 
@@ -542,7 +541,7 @@ class _Run:
         self.context.compressor = compressor
         if compressor is None:
             for layer in self.context.cache.layers:
-                layer.grow_on_demand(DECODE_CHUNK, self.new_tokens)
+                layer.grow_on_demand(self.new_tokens)
         self.cache.layers = self.context.cache.layers  # generate holds this cache: it now holds the kept slots
         if choice is not None and (message := cap_binding_message(choice, p._target, p.budget)):
             warnings.warn(message, TargetNotMetWarning, stacklevel=2)
@@ -553,12 +552,6 @@ class _Run:
                    **({} if compressor is None else {"peak_cache_tokens": lambda: compressor.peak,
                                                      "decode_compressions": lambda: compressor.compressions})})
         return None
-
-
-def decode_reserve(new_tokens: int | None) -> int:
-    """The slots a compressed cache allocates at its prefill for generated tokens: DECODE_CHUNK, or fewer where
-    ``generate`` asks for fewer new tokens (its last token is never fed back, so new_tokens − 1 suffice)."""
-    return DECODE_CHUNK if new_tokens is None else max(0, min(DECODE_CHUNK, new_tokens - 1))
 
 
 class _Layerwise:
@@ -585,7 +578,7 @@ class _Layerwise:
         selection = self.selector.select(i, layer_view(layer, obs))
         self.footprints.append(layer_footprint(layer, selection))
         compressed = layer.derive([selection], reserve=decode_reserve(self.new_tokens))
-        compressed.grow_on_demand(DECODE_CHUNK, self.new_tokens)
+        compressed.grow_on_demand(self.new_tokens)
         ctx.cache.layers[i] = self.cache.layers[i] = compressed
         obs.pre_rope_keys = obs.accumulated_attention = None
 
