@@ -274,6 +274,7 @@ cells:
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow  # make test-full: a real DAG whose cell job starts kvcert-run, which loads the model and fails
 def test_dag_cell_with_bad_override_names_it_last(workflow_copy):
     """A scale whose cell has budget 2: the cell job fails and the DAG ends on its log's error line."""
     (scales_folder(workflow_copy) / "bad.yaml").write_text(BAD_SCALE)
