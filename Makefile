@@ -200,8 +200,9 @@ bench-press-batch: install model
 	$(BIN)/python benchmarks/press_batch_throughput.py
 
 ## Exploratory: kvcert's press (top-k, Poisson with its certificate) beside kvpress 0.5.5's (in the peer environment)
-## on the same prompts and press, SnapKV and Knorm at compression ratios 0.5 and 0.75, SmolLM2 on the CPU, batch 1:
-## time, peak memory, answer agreement (benchmarks/press_vs_kvpress.py); writes results/exploratory/press-vs-kvpress/.
+## on the same prompts and press, SnapKV and Knorm at compression ratios 0.5 and 0.75, SmolLM2 on the CPU, batch 1 and
+## a batch of every item (equal lengths, no padding): time, tokens per second, peak memory, answer agreement
+## (benchmarks/press_vs_kvpress.py); writes results/exploratory/press-vs-kvpress/.
 ## BENCH_KVPRESS_ARGS: its options, e.g. --items 4 --context-tokens 1024.
 .PHONY: bench-kvpress
 bench-kvpress: install model peers
