@@ -129,6 +129,22 @@ def compared(request, peer_python, tmp_path_factory):
     return model_name, copy.deepcopy(model).double(), ids, settings, peer  # in float64, as the peer ran it
 
 
+# The observation window of kvpress's SnapKV base in the peer script, which CriticalKV reweights.
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def scorer_prefill(compared):
+    """(model name, model, ids, kvpress's scores, one kvcert prefill of the case's prompt in float64), the prefill
+    shared by every comparison that does not need a window or policy options of its own: window WINDOW, with what
+    expected_attention, cap, observed_attention and leverage need collected beside the keys (collecting more
+    changes no key, value or query; a float64 prefill of SmolLM2 takes seconds, so it runs once per case)."""
+    model_name, model, ids, _, peer = compared
+    state = kvcert.prefill(model, ids, observation_window=WINDOW, accumulate=True, query_statistics=True,
+                           pre_rope_keys=True)
+    return model_name, model, ids, peer, state
+
+
 def pooled_window_share(view, window: int, kernel: int) -> np.ndarray:
     """What kvcert's pooling adds to the keys just before the window: per KV head, the window keys' attention
     (averaged over the window queries) inside each such key's kernel, / kernel, averaged over the query heads
@@ -169,13 +185,13 @@ def test_snapkv_scores_equal_kvpress(compared):
             assert (theirs[..., n - window:] > theirs[..., : n - window].max(-1, keepdims=True)).all()
 
 
-def test_tova_over_all_heads_equals_kvpress(compared):
-    model_name, model, ids, _, peer = compared
+def test_tova_over_all_heads_equals_kvpress(scorer_prefill):
+    model_name, model, ids, peer, state = scorer_prefill
     n, hk = ids.shape[-1], model.config.num_key_value_heads
-    state = kvcert.prefill(model, ids, policy_options={"tova": {"heads": "all"}})
+    all_heads_tova = get_policy("tova", heads="all")  # TOVA reads the last query alone: any window holds it
     per_group_tova = get_policy("tova")  # the default, heads: kv_group, on the same prefill
-    for i, (mine, view) in enumerate(zip(state.scores("tova"), state.layer_views())):
-        theirs, mine = peer[f"tova_layer{i}"], mine.double().numpy()
+    for i, view in enumerate(state.layer_views()):
+        theirs, mine = peer[f"tova_layer{i}"], all_heads_tova.score(view).double().numpy()
         per_group = per_group_tova.score(view).double().numpy()
         assert mine.shape == theirs.shape == (1, hk, n)
         np.testing.assert_allclose(mine[..., :-1], theirs[..., :-1], rtol=RTOL, atol=ATOL,
@@ -185,9 +201,8 @@ def test_tova_over_all_heads_equals_kvpress(compared):
             assert np.abs(per_group - mine).max() > 1e-6, f"{model_name} layer {i}: heads=kv_group == heads=all"
 
 
-def test_knorm_is_the_reciprocal_of_kvpress(compared):
-    model_name, model, ids, _, peer = compared
-    state = kvcert.prefill(model, ids)
+def test_knorm_is_the_reciprocal_of_kvpress(scorer_prefill):
+    model_name, model, ids, peer, state = scorer_prefill
     for i, mine in enumerate(state.scores("knorm")):
         theirs = peer[f"knorm_layer{i}"]  # -||k||
         assert mine.shape == theirs.shape and (theirs < 0).all()
@@ -254,7 +269,7 @@ def test_adakv_kept_counts_equal_kvpress(compared):
     assert differs or hk == 1, f"{model_name}: every head kept the same count: the comparison shows nothing"
 
 
-def test_criticaladakv_counts_are_adakv_over_its_base_not_over_criticalkv(compared):
+def test_criticaladakv_counts_are_adakv_over_its_base_not_over_criticalkv(scorer_prefill):
     """CriticalAdaKV (Feng et al., 2025, with AdaKV) sizes each head by AdaKV over its base press's scores, then
     picks within the head by the CriticalKV-reweighted scores: its per-head counts equal AdaKVPress's over the same
     SnapKV, hence kvcert's ``adakv`` over ``snapkv`` (test_adakv_kept_counts_equal_kvpress). kvcert's ``adakv`` over
@@ -262,9 +277,9 @@ def test_criticaladakv_counts_are_adakv_over_its_base_not_over_criticalkv(compar
     from kvcert.allocators import LayerBudget, adakv_safeguard
     from kvcert.designs import DesignOptions, topk_design
 
-    model_name, model, ids, _, peer = compared
+    model_name, model, ids, peer, state = scorer_prefill
     n, hk = ids.shape[-1], model.config.num_key_value_heads
-    criticalkv = kvcert.prefill(model, ids, observation_window=16).scores("criticalkv")
+    criticalkv = state.scores("criticalkv")
     no_certain = DesignOptions(n_sink=0, n_recent=0)
     differs = False
     for ratio in _allocator_ratios(peer):
@@ -325,16 +340,6 @@ def test_pyramidkv_layer_counts_equal_kvpress(compared):
 #   ``h2o`` differs from it by the normalisation only: h2o = observed_attention · (n − j), the n − j queries at
 #   or after key j, checked on kvcert's own scores.
 RTOL_EXPONENTIAL = 5e-5
-WINDOW = 16
-
-
-@pytest.fixture(scope="module")
-def scorer_prefill(compared):
-    """One kvcert prefill of the case's prompt (float64) that collects what the three policies need."""
-    model_name, model, ids, _, peer = compared
-    state = kvcert.prefill(model, ids, observation_window=WINDOW, accumulate=True, query_statistics=True,
-                           pre_rope_keys=True)
-    return model_name, model, ids, peer, state
 
 
 def test_expected_attention_equals_kvpress(scorer_prefill):
@@ -388,9 +393,8 @@ def test_observed_attention_equals_kvpress_and_is_h2o_normalised(scorer_prefill)
 # ------------------------------------------------------------------------------------------------ KeyDiff, LagKV, CUR
 
 
-def test_keydiff_is_one_plus_kvpress(compared):
-    model_name, model, ids, _, peer = compared
-    state = kvcert.prefill(model, ids)
+def test_keydiff_is_one_plus_kvpress(scorer_prefill):
+    model_name, model, ids, peer, state = scorer_prefill
     for i, mine in enumerate(state.scores("keydiff")):
         theirs = peer[f"keydiff_layer{i}"]  # -cos(k, anchor), in [-1, 1]
         assert mine.shape == theirs.shape and (mine >= 0).all()
@@ -404,11 +408,11 @@ LAGKV_CASES = {"lagkv": {}, "lagkv_lag32_cross": {"lag_size": 32, "cross_scoring
                "lagkv_lag600": {"lag_size": 600}}
 
 
-def test_lagkv_equals_kvpress(compared):
-    model_name, model, ids, _, peer = compared
+def test_lagkv_equals_kvpress(scorer_prefill):
+    model_name, model, ids, peer, state = scorer_prefill
     n = ids.shape[-1]
     assert 4 + 2 * 128 <= n < 4 + 2 * 600  # the default lag scores some partitions, lag 600 none
-    views = kvcert.prefill(model, ids).layer_views()
+    views = state.layer_views()
     dead_layers = []
     for i, view in enumerate(views):
         dead = [bool(((x == 0).all(dim=-2)).any()) for x in (view.keys, view.values)]  # an all-zero channel
@@ -459,10 +463,10 @@ CUR_CASES = {"cur": {}, "cur_global_kvavg": {"local_window_size": None, "leverag
 KVPRESS_CUR_SINKS = 4
 
 
-def test_cur_equals_kvpress_after_its_sinks(compared):
-    model_name, model, ids, _, peer = compared
+def test_cur_equals_kvpress_after_its_sinks(scorer_prefill):
+    model_name, model, ids, peer, state = scorer_prefill
     sinks = KVPRESS_CUR_SINKS
-    views = kvcert.prefill(model, ids).layer_views()
+    views = state.layer_views()
     seed = int(peer["cur_sketch_seed"])
     for name, options in {**CUR_CASES, "cur_sketch20": {"sketch_dimension": 20}}.items():
         policy = get_policy("cur", **options)
