@@ -222,6 +222,7 @@ def test_console_script(base, extra, expected, fixtures, tmp_path):
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow  # make test-full: a fresh kvcert-run process (offline from its start), like the console cases above
 def test_longbench_offline_without_path(tmp_path):
     """data=longbench with no data.path and no network: one line saying to set data.path (hermetic: offline)."""
     out_dir = tmp_path / "cell"
