@@ -3,6 +3,7 @@ file or a module can decide is checked here, so that an edit of one without the 
 no DAG; reads results/, configs/scales/, the Makefile, pyproject.toml and a few kvcert modules."""
 
 import csv
+import functools
 import json
 import re
 from collections import defaultdict
@@ -76,14 +77,22 @@ NAMES = ("Gemma 3", "Llama 3.1", "Llama-3.1", "2607.21475", "2026", "Python ≥ 
 NUMBER = re.compile(r"(?<![\w.,])[+−-]?\d[\d,]*(?:\.\d+)?(?![\w]|\.\d)")
 
 
+@functools.cache
+def _scale_and_studies(name):
+    """(scale ``name``, its studies), read once per session: every page's check reads every scale, and reading
+    one parses each of its cells' overrides."""
+    scale = load_scale(name, SCALES)
+    return scale, studies(scale)
+
+
 def applied_yamls(study):
     """The YAML files study ``study`` applies: the scale that made its committed results (one that writes to
     results/ and computes the study, not one that reads it as a record) and, for a pre-registered study, that
     version's document."""
     found = []
     for path in sorted(SCALES.glob("*.yaml")):
-        scale = load_scale(path.stem, SCALES)
-        spec = studies(scale).get(study)
+        scale, scale_studies = _scale_and_studies(path.stem)
+        spec = scale_studies.get(study)
         computes = spec is not None and not spec.get("archived")
         if scale.get("outdir") == "results" and (computes or study in exploratory(scale)):
             found.append(path)
@@ -92,7 +101,7 @@ def applied_yamls(study):
     if not found:  # a study named but pending (its amendment a draft): its own scale and that amendment's document
         from kvcert.scales import design_reference
 
-        if any(study in (load_scale(p.stem, SCALES).get("pending") or {}) for p in SCALES.glob("*.yaml")):
+        if any(study in (_scale_and_studies(p.stem)[0].get("pending") or {}) for p in SCALES.glob("*.yaml")):
             design, _ = design_reference(SCALES, study, study)
             return [SCALES / f"{study}.yaml", design.parent / "amendment.yaml"]
     assert len({p for p in found if p.parent == SCALES}) == 1, f"study {study}: want one scale that makes it"
