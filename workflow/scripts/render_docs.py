@@ -193,7 +193,8 @@ def _constants(path):
 
 def _literals(body, prefix=""):
     """``NAME = literal`` assignments of a module's or a class's body; a class's as ``Class.NAME`` (a dataclass
-    field's default)."""
+    field's default, also where a call gives it: the first argument or ``default=`` of ``knob(4, "...")`` or
+    ``field(default=4)``; a call without a literal there, such as ``field(default_factory=list)``, is left out)."""
     row = {}
     for node in body:
         if isinstance(node, ast.ClassDef) and not prefix:
@@ -206,6 +207,8 @@ def _literals(body, prefix=""):
         if len(names) != len(values) or not all(isinstance(n, ast.Name) for n in names):
             continue
         for n, v in zip(names, values):
+            if prefix and isinstance(v, ast.Call):  # a dataclass field: knob(DEFAULT, ...), field(default=DEFAULT)
+                v = next((k.value for k in v.keywords if k.arg == "default"), v.args[0] if v.args else v)
             try:
                 row[prefix + n.id] = ast.literal_eval(v)
             except ValueError:
