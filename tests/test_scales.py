@@ -213,6 +213,35 @@ def test_bad_cells_are_one_line(case):
         expand_cells({"name": "x", "models": {"m": ["model=hf"]}, "cells": {"c": spec}})
 
 
+
+def _matrix_scale(variants):
+    return {"name": "x", "models": {"m": ["model=hf"]}, "grid": ["designs=[topk,poisson]", "budgets=[0.25]"],
+            "matrix": {"models": ["m"], "data": {"d": ["data=ruler"]}, "settings": ["question_aware", "streaming"],
+                       "shards": 2, "variants": variants}}
+
+
+def test_a_matrix_variant_adds_a_cell_per_named_setting_after_the_grid():
+    """Our own expansion logic on a made-up scale: a variant's overrides follow the base cell's, so they win."""
+    cells = expand_cells(_matrix_scale({"defended": {"settings": ["question_aware"],
+                                                     "overrides": ["designs=[poisson]", "design_options.tail_mix=0.5"]}}))
+    assert list(cells) == ["m-d-question_aware", "m-d-question_aware-defended", "m-d-streaming"]
+    base, defended = cells["m-d-question_aware"], cells["m-d-question_aware-defended"]
+    assert defended["overrides"] == base["overrides"] + ["designs=[poisson]", "design_options.tail_mix=0.5"]
+    assert defended["shards"] == base["shards"] == 2
+    values = parse_overrides(defended["overrides"])
+    assert values["designs"] == ["poisson"] and values["design_options.tail_mix"] == 0.5
+
+
+@pytest.mark.parametrize("variants, message", [
+    ({"v": {"settings": ["offline"], "overrides": []}}, r"matrix.variants.v: settings=\['offline'\]: expected a non-empty subset"),
+    ({"v": {"settings": ["streaming"]}}, "matrix.variants.v: expected a mapping of settings and overrides"),
+    ({"v": {"settings": ["streaming"], "overrides": ["design_options.tailmix=1"]}}, "design_options.tailmix is not a kvcert-run key"),
+    (["v"], "matrix.variants: expected a mapping"),
+])
+def test_bad_matrix_variants_are_one_line(variants, message):
+    with pytest.raises(ScaleError, match=message):
+        expand_cells(_matrix_scale(variants))
+
 def test_longbench_cells_read_the_fetched_copy_unless_they_have_a_path():
     paper, rehearse = load_scale("paper", SCALES), load_scale("rehearse", SCALES)
     paper_cells = studies(paper)["paper"]["cells"]

@@ -310,20 +310,44 @@ def expand_cells(scale: Mapping[str, Any]) -> dict[str, Cell]:
     """Cell name -> ``Cell``: the scale's listed cells plus its matrix, each checked (``checked_cell``).
 
     Matrix cells are named ``<model>-<data>-<setting>`` and run the data's overrides, then the grid,
-    then the setting.
+    then the setting. A matrix's optional ``variants`` (``{name: {settings: [...], overrides: [...]}}``) add,
+    for each model and data, a cell ``<model>-<data>-<setting>-<name>`` per setting the variant names, running
+    the base cell's overrides then the variant's (so a variant can change what the grid cannot vary: design
+    options, the designs a defense allows).
     """
     cells = {name: dict(spec) if isinstance(spec, Mapping) else spec for name, spec in (scale.get("cells") or {}).items()}
     matrix = scale.get("matrix")
     if matrix:
+        variants = _matrix_variants(scale, matrix)
         for model in matrix["models"]:
             for data_name, data_overrides in matrix["data"].items():
                 for setting in matrix["settings"]:
-                    cells[f"{model}-{data_name}-{setting}"] = {
-                        "model": model,
-                        "shards": matrix["shards"],
-                        "overrides": list(data_overrides) + list(scale["grid"]) + [f"setting={setting}"],
-                    }
+                    base = list(data_overrides) + list(scale["grid"]) + [f"setting={setting}"]
+                    cells[f"{model}-{data_name}-{setting}"] = {"model": model, "shards": matrix["shards"], "overrides": base}
+                    for variant, spec in variants.items():
+                        if setting in spec["settings"]:
+                            cells[f"{model}-{data_name}-{setting}-{variant}"] = {
+                                "model": model, "shards": matrix["shards"], "overrides": base + list(spec["overrides"])}
     return {name: checked_cell(scale, name, spec) for name, spec in cells.items()}
+
+
+def _matrix_variants(scale: Mapping[str, Any], matrix: Mapping[str, Any]) -> dict[str, dict]:
+    """A matrix's ``variants``, checked: each a mapping of ``settings`` (a subset of the matrix's) and
+    ``overrides`` (key=value strings)."""
+    variants = matrix.get("variants") or {}
+    where = f"scale={scale.get('name', '?')}: matrix.variants"
+    if not isinstance(variants, Mapping):
+        raise ScaleError(f"{where}: expected a mapping of variant name to {{settings, overrides}}")
+    for name, spec in variants.items():
+        if not isinstance(spec, Mapping) or sorted(spec) != ["overrides", "settings"]:
+            raise ScaleError(f"{where}.{name}: expected a mapping of settings and overrides")
+        unknown = [s for s in spec["settings"] or [] if s not in matrix["settings"]]
+        if not spec["settings"] or unknown:
+            raise ScaleError(f"{where}.{name}: settings={spec['settings']!r}: expected a non-empty subset of the "
+                             f"matrix's settings ({', '.join(matrix['settings'])})")
+        if not isinstance(spec["overrides"], list) or not all(isinstance(o, str) for o in spec["overrides"]):
+            raise ScaleError(f"{where}.{name}: overrides={spec['overrides']!r}: expected a list of key=value strings")
+    return dict(variants)
 
 
 def checked_cell(scale: Mapping[str, Any], name: str, spec: Any) -> Cell:
