@@ -35,6 +35,8 @@ WORKLOAD = ["data=ruler", "data.tasks=[niah_multivalue_2,niah_multiquery_2]", "d
             "data.context_tokens=600", "data.seed=3", "n_items=40", "n_shards=2", "shard_by=task", "policies=[snapkv]",
             "designs=[poisson]", "budgets=[0.25,0.5]", "seeds=[0]", "setting=question_aware", "threads=2",
             "progress=false"]  # 2 threads: the two stages run alone, one after the other (CI's 2 cores; 1.4x faster)
+COVERAGE_BAR = 0.90  # the worst layer's held-out coverage at each budget, with the default certificate
+WIDTH_BAR = 1.5  # the median certificate over the median cert, for the factors served without the floor
 
 
 def test_calibrated_certificate_holds_in_every_layer_on_held_out_prompts(tmp_path, capsys):
@@ -54,11 +56,11 @@ def test_calibrated_certificate_holds_in_every_layer_on_held_out_prompts(tmp_pat
         rows = steps[np.isclose(steps["budget"], budget)]
         per_layer = rows.groupby("layer")["coverage_calibrated"].mean()
         assert len(per_layer) == 30
-        assert per_layer.min() >= 0.90, per_layer.sort_values().head(5).to_dict()
+        assert per_layer.min() >= COVERAGE_BAR, per_layer.sort_values().head(5).to_dict()
         assert (rows["cert_calibrated"] >= rows["cert"]).all()
         plain = calibrated_certificate(without_floor, rows, setting="question_aware", policy="snapkv", design="poisson",
                                        budget=budget)
         ratio = np.median(plain) / rows["cert"].median()
-        assert ratio <= 1.5, ratio
+        assert ratio <= WIDTH_BAR, ratio
         print(f"budget {budget}: worst layer {per_layer.min():.3f}, median width x eps-hat "
               f"{rows['cert_calibrated'].median() / rows['cert'].median():.2f} (default), {ratio:.2f} (without the floor)")

@@ -5,7 +5,7 @@ hand. A page marks each number it states and each generated block:
     <!-- block:results-grid:start --> ... <!-- block:results-grid:end -->
 
 A value's key reads ``SOURCE FIELD=VALUE ... COLUMN [FORMAT]``: the table (SOURCES below), the row (every
-FIELD=VALUE must match; quote a value holding spaces), the column and a Python format spec (default .4g; ``s``: the cell as it is).
+FIELD=VALUE must match, every FIELD!=VALUE must not; quote a value holding spaces), the column and a Python format spec (default .4g; ``s``: the cell as it is).
 Column ``min(COLUMN)`` or ``max(COLUMN)`` takes the extreme over
 every matching row; ``max(min(COLUMN)/GROUP)`` the largest over GROUP's values of the smallest within each (a
 worst layer's best budget). Column ``ci`` is the estimate with its 95% interval, "x [lo, hi]"; ``COLUMN~ci`` does the same for a column
@@ -31,7 +31,8 @@ reads the rows of a committed markdown report's tables. A ``rows`` span renders 
 
 Beside the results, a value may read a locked or committed file of the repository: ``yaml file=PATH KEY.PATH``
 (a pre-registration's YAML, a scale; nested keys joined by dots, a list's items by position, a claim by its id)
-and ``const file=PATH NAME`` (a module-level literal of a Python file, read without importing it).
+and ``const file=PATH NAME`` (a module-level literal of a Python file, read without importing it; ``NAME.N``
+the Nth item, from 0, of a tuple or list).
 
 Run by rule ``render_docs`` (workflow/rules/tables.smk: README.md and docs/studies/*.md), part of the default
 target, or for every page (docs/*.md included) by ``make render-docs``:
@@ -321,6 +322,16 @@ def _same(cell, wanted):
         return str(cell) == wanted
 
 
+def _matches(row, fields):
+    """Whether ``row`` matches every FIELD=VALUE of a key; a field written FIELD!=VALUE (parsed as ``FIELD!``)
+    matches a row whose FIELD differs from VALUE (``width!=inf``: the finite widths)."""
+    for k, v in fields.items():
+        name, equal = (k[:-1], False) if k.endswith("!") else (k, True)
+        if name not in row or _same(row[name], v) != equal:
+            return False
+    return True
+
+
 def _number(value, spec):
     value = float(value)
     if spec.endswith("d"):
@@ -353,7 +364,7 @@ def value(results, key):
     """The text a value span shows for ``key``, from the tables under ``results``."""
     source, fields, column, spec = parse(key)
     rows = SOURCES[source](Path(results), fields)
-    rows = [r for r in rows if all(k in r and _same(r[k], v) for k, v in fields.items())]
+    rows = [r for r in rows if _matches(r, fields)]
     if source == "accuracy" and rows:  # pooled over what the key leaves open
         n = sum(int(r["n"]) for r in rows)
         rows = [{"accuracy": sum(float(r["accuracy"]) * int(r["n"]) for r in rows) / n, "n": n}]
@@ -382,6 +393,9 @@ def value(results, key):
     if width:  # an interval's width, ci_high - ci_low
         _, low, high = _interval(row, width[1])
         return _number(float(row[high]) - float(row[low]), spec)
+    item = re.fullmatch(r"(.+)\.(\d+)", column)
+    if column not in row and item and isinstance(row.get(item[1]), (list, tuple)) and int(item[2]) < len(row[item[1]]):
+        row = {column: row[item[1]][int(item[2])]}  # a constant's item by position: LEVELS.1
     if column not in row:
         raise DocError(f"value key {key!r}: no column {column!r}; the row has {', '.join(row)}")
     if isinstance(row[column], (list, tuple)):  # a constant's items: NORM_WEIGHTS as 0, 0.001, ..., 1
@@ -422,8 +436,7 @@ def rows(results, key, template):
         raise DocError(f"rows key {key!r}: want a source ({', '.join(SOURCES)}) and FIELD=VALUE words")
     fields = dict(w.split("=", 1) for w in words[1:])
     by, order = fields.pop("by", ""), fields.pop("sort", "")
-    found = [r for r in SOURCES[words[0]](Path(results), fields)
-             if all(k in r and _same(r[k], v) for k, v in fields.items())]
+    found = [r for r in SOURCES[words[0]](Path(results), fields) if _matches(r, fields)]
     if by:
         groups = {}
         for r in found:
