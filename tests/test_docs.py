@@ -518,11 +518,9 @@ def test_paper_scale_plan_is_kvcert_plans_output(scale_dag, monkeypatch):
         return {d: (float(h), int(g)) for d, h, g in re.findall(r"^(\S+)\s+[\d.]+\s+([\d.]+)\s+(\d+)$", block, flags=re.M)}
 
     prose = " ".join(page.split())
-    # above the paper's GPU-hours at the assumed host overhead, below them with a host four times faster
-    assert "sits above the paper's about" in prose and "with a faster host (`--host-overhead-ms 0.5`) it falls below it" in prose
+    # above the paper's GPU-hours at the assumed host overhead (below them with a faster host: the next test)
+    assert "sits above the paper's about" in prose
     assert min(g for _, g in hours(printed).values()) > PAPER_GPU_HOURS
-    faster = hours(render(plan_scale("paper", ROOT, overhead=0.5e-3)))
-    assert max(faster["H100-80GB"][1], faster["H200-141GB"][1]) < PAPER_GPU_HOURS
     # a cell's runtime is the longest shard on the slowest card listed, with a margin
     runtime = load_scale("paper", SCALES)["resources"]["cell"]["runtime"]
     assert "minutes, the longest shard on an A100-40GB with a margin" in prose
@@ -545,6 +543,20 @@ def test_paper_scale_plan_is_kvcert_plans_output(scale_dag, monkeypatch):
     board_largest = max(board, key=lambda name: float(board[name][-4]))
     assert board_largest == max(board, key=lambda name: float(board[name][4]))
     assert f"the leaderboard's largest, {board_largest}, owes its lead to the compressed batch" in prose
+
+
+@pytest.mark.slow  # a second costing of every cell of the paper scale: 4-9 s
+def test_paper_scale_plan_falls_below_the_papers_gpu_hours_with_a_faster_host(monkeypatch):
+    """docs/cluster.md: with `--host-overhead-ms 0.5` the paper scale's GPU-hours on H100s and H200s fall below the
+    paper's (the figures are history.md's). The jobs play no part in the hours: no dry run."""
+    from kvcert import plan as plan_module
+    from kvcert.plan import PAPER_GPU_HOURS, as_json, plan_scale
+
+    prose = " ".join(text(DOCS / "cluster.md").split())
+    assert "with a faster host (`--host-overhead-ms 0.5`) it falls below it" in prose
+    monkeypatch.setattr(plan_module, "plan_jobs", lambda name, root: {})
+    hours = as_json(plan_scale("paper", ROOT, overhead=0.5e-3))["gpu_hours"]
+    assert 0 < max(hours["H100-80GB"], hours["H200-141GB"]) < PAPER_GPU_HOURS
 
 
 def test_every_kvcert_name_in_the_docs_exists():
