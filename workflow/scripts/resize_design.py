@@ -300,9 +300,11 @@ def time_cells(population: dict, out_dir: Path, n_items: int, seed: int, cores: 
         if done.returncode != 0:
             raise SystemExit(f"timing cell {name} failed: {done.stderr.strip().splitlines()[-1:]}")
 
+    from tqdm import tqdm
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(max_workers=cores) as pool:
-        list(pool.map(run, cells.items()))
+    with ThreadPoolExecutor(max_workers=cores) as pool:  # progress per finished cell, done ones first
+        list(tqdm(pool.map(run, cells.items()), total=len(cells), desc="timing cells", unit="cell"))
     for leftover in out_dir.glob("*/shard-0/.parts"):
         shutil.rmtree(leftover, ignore_errors=True)
     return out_dir
