@@ -10,6 +10,7 @@ SmolLM2 in a throwaway copy of the pre-registration. Every number here is test d
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -41,10 +42,15 @@ def _population(chosen: dict) -> dict:
     return {**population, "chosen": chosen}
 
 
-def test_amendment_6_is_a_draft_that_states_its_plan_and_names_registered_methods(scripts, data):
+def test_amendment_6_is_locked_states_its_plan_and_names_registered_methods(scripts, data):
     v6 = prereg.version(6, ROOT)
-    assert prereg.is_draft(prereg.load_amendment(ROOT, 6)) and not (ROOT / v6.lock).exists()
-    assert prereg.latest(ROOT) == 5  # the default's study stays v5's until amendment 6 is locked
+    assert not prereg.is_draft(prereg.load_amendment(ROOT, 6)) and (ROOT / v6.lock).is_file()
+    prereg.verify_lock(ROOT, 6)
+    assert prereg.latest(ROOT) == 6
+    frozen = json.loads((ROOT / v6.lock).read_text())["files"]
+    for rel in ("population.yaml", "timing.yaml", "power.yaml", "design.yaml", "amendment.yaml"):
+        assert f"preregistration/amendment-6/{rel}" in frozen, rel
+    assert "src/kvcert/analysis/defended.py" in frozen
     assert not (SIX.parent / "spec.yaml").exists() and "plan" in yaml.safe_load(SIX.read_text())  # no sidecar
     assert data["version"] == 6 and data["amends"]["version"] == 5 and data["date"] == "2026-12-06"
     assert registry.method("pilot", data["pilot"]["method"], "t") is scripts["pilot"].smallest_defense_covering
@@ -66,6 +72,25 @@ def test_amendment_6_is_a_draft_that_states_its_plan_and_names_registered_method
     assert not in_use & set(data["power"]["items_seeds"].values())
     assert {"pilot_results", "design", "deviations"} <= set(data)
 
+
+
+def test_the_locked_choice_is_the_rule_applied_to_the_pilots_coverage_table(scripts, data):
+    """population.yaml's `chosen` is smallest_covering over its own coverage table (every grid point, every
+    configuration of the plan at the pilot's share), and the study's defended cells run that choice."""
+    population = yaml.safe_load((SIX.parent / "population.yaml").read_text())
+    table = population["defense_pilot"]["coverage"]
+    grid = data["pilot"]["grid"]
+    assert sorted((r["head_attention_share"], r["tail_mix"]) for r in table) == sorted(
+        (float(e), float(t)) for e in grid["head_attention_share"] for t in grid["tail_mix"])
+    coverage = {(r["head_attention_share"], r["tail_mix"]):
+                {k: v for k, v in r.items() if k not in ("head_attention_share", "tail_mix")} for r in table}
+    configurations = {f"{s},uniform" for s in data["plan"]["scorers"]} | {"snapkv,adakv", "snapkv,pyramidkv"}
+    assert all(set(row) == configurations for row in coverage.values())
+    assert scripts["pilot"].smallest_covering(coverage, float(data["pilot"]["target"])) == population["chosen"]
+    design = yaml.safe_load((SIX.parent / "design.yaml").read_text())["reproduce_90_minutes"]["study"]["cells"]
+    chosen = population["chosen"]
+    both = [c for c in design if c.endswith(f"-lambda{chosen['tail_mix']:g}-eta{chosen['head_attention_share']:g}")]
+    assert both and all(f"design_options.tail_mix={chosen['tail_mix']:g}" in design[c]["overrides"] for c in both)
 
 def test_the_plan_crosses_the_shares_with_each_defense_at_the_pilots_choice(scripts, data):
     resize = scripts["resize_design"]
@@ -255,6 +280,7 @@ def test_the_defense_pilot_runs_from_data_in_a_throwaway_copy(tmp_path, scripts)
 
     root = _copy(tmp_path / "repo", upto=5)
     doc = yaml.safe_load(SIX.read_text())
+    doc["status"] = "DRAFT: a throwaway copy, its pilot not yet run (as amendment 6 was when its pilot ran)"
     doc["plan"] = {**doc["plan"], "scorers": {"snapkv": "SnapKVPress", "cur": "CURPress"},
                    "allocators": {"uniform": "scorers"}, "budgets": [0.25]}
     doc["pilot"] = {**doc["pilot"], "models": ["smollm2"], "n_items": 1,
@@ -284,20 +310,34 @@ def test_the_defense_pilot_runs_from_data_in_a_throwaway_copy(tmp_path, scripts)
     assert set(poisson["tail_mix"]) == {0.5} and set(poisson["head_attention_share"]) == {1.0}
 
 
-def test_v6_is_pending_until_amendment_6_is_locked(tmp_path):
-    """The default scale and v6's scale name study v6 but leave it out until amendment 6's lock exists (so no v6
-    cell can run before the lock); the default's computed study stays v5's. With a lock and a design (made up here),
-    the study is read from the design."""
-    from kvcert.scales import ScaleError, current_study, load_scale, scales_folder, studies
+PENDING_SCALE = """outdir: results
+models:
+  smollm2: [model=smollm2]
+studies:
+  v6:
+    pending:
+      until: ../../preregistration/amendment-6/amendment.lock
+      why: amendment 6 is a draft awaiting its pilot
+    design:
+      file: ../../preregistration/amendment-6/design.yaml
+      study: reproduce_90_minutes.study
+"""
+
+
+def test_v6_scale_computes_the_locked_design_and_a_pending_study_waits_for_its_lock(tmp_path):
+    """v6's scale reads amendment 6's locked design. The pending mechanism that kept it out before the lock (our own
+    logic, on a made-up scale and design in a throwaway folder): a study pending until a file exists runs nothing
+    before it, and is read from its design after."""
+    from kvcert.scales import ScaleError, load_scale, scales_folder, studies
 
     scales = scales_folder(ROOT)
-    for name in ("default", "v6"):
-        scale = load_scale(name, scales)
-        assert "v6" not in studies(scale) and "draft awaiting its pilot" in scale["pending"]["v6"]
-    assert current_study(scales) == "v5"
+    got = studies(load_scale("v6", scales))["v6"]
+    design = yaml.safe_load((ROOT / "preregistration" / "amendment-6" / "design.yaml").read_text())
+    assert got["prereg"] == 6 and list(got["cells"]) == list(design["reproduce_90_minutes"]["study"]["cells"])
+    assert not load_scale("v6", scales).get("pending")
     copy = tmp_path / "configs" / "scales"
     copy.mkdir(parents=True)
-    (copy / "v6.yaml").write_text((scales / "v6.yaml").read_text())
+    (copy / "v6.yaml").write_text(PENDING_SCALE)
     folder = tmp_path / "preregistration" / "amendment-6"
     folder.mkdir(parents=True)
     cell = {"model": "smollm2", "shards": 1, "overrides": ["n_items=2"]}
@@ -307,6 +347,6 @@ def test_v6_is_pending_until_amendment_6_is_locked(tmp_path):
     (folder / "amendment.lock").write_text("{}")
     got = studies(load_scale("v6", copy))["v6"]
     assert got["prereg"] == 6 and list(got["cells"]) == ["oracle-smollm2"]
-    (copy / "v6.yaml").write_text((scales / "v6.yaml").read_text().replace("      why: amendment 6", "      reason: x"))
+    (copy / "v6.yaml").write_text(PENDING_SCALE.replace("      why: amendment 6", "      reason: x"))
     with pytest.raises(ScaleError, match=r"^v6.yaml: study v6: pending=.*expected a mapping of until and why$"):
         load_scale("v6", copy)
