@@ -102,7 +102,7 @@ def test_plan_prints_jobs_memory_and_gpu_hours_for_the_paper_scale(scale_dag, mo
     monkeypatch.setattr(plan_module, "plan_scale", functools.cache(plan_module.plan_scale))
     assert plan_module.main(["scale=paper", "--root", str(ROOT)]) == 0
     out = capsys.readouterr().out
-    assert "jobs per rule: cell 160" in out  # study paper's 18 cells x 8 shards, the leaderboard's 4 x 4
+    assert "jobs per rule: cell 232" in out  # study paper's 27 cells (9 defended) x 8 shards, the leaderboard's 4 x 4
     for cell in ("paper/qwen7b-longbench16k-streaming", "paper/llama8b-ruler-question_aware",
                  "paper/mistral7b-longbench6k-streaming", "leaderboard/query_agnostic", "leaderboard/query_aware_adakv"):
         assert cell in out
@@ -110,7 +110,7 @@ def test_plan_prints_jobs_memory_and_gpu_hours_for_the_paper_scale(scale_dag, mo
     assert "H200-141GB" in out and "GPU-hours" in out and "about 70 GPU-hours" in out
     assert plan_module.main(["scale=paper", "--root", str(ROOT), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert len(plan["cells"]) == 22 and plan["jobs"]["cell"] == 160
+    assert len(plan["cells"]) == 31 and plan["jobs"]["cell"] == 232
     assert all(c["fits_gb"]["141"] for c in plan["cells"])
     assert 0 < plan["gpu_hours"]["H200-141GB"] < plan["gpu_hours"]["A100-40GB"]
 

@@ -98,7 +98,7 @@ def test_the_profile_resolves_site_settings_and_gpus_per_cell(gpus):
     assert proc.returncode == 0, proc.stderr[-2000:]
     jobs = _resources_by_rule(proc.stdout + proc.stderr)
     expected_gpus = gpus if gpus is not None else "1"  # the documented default
-    assert len(jobs["cell"]) == 160  # study paper: 18 cells x 8 shards; exploratory leaderboard: 4 x 4
+    assert len(jobs["cell"]) == 232  # study paper: 27 cells (9 defended) x 8 shards; exploratory leaderboard: 4 x 4
     for res in jobs["cell"]:
         assert res["gpu"] == expected_gpus  # not clamped by the per-submission limit
         assert res["slurm_partition"] == "gpu1" and res["slurm_account"] == "acct1"
