@@ -720,7 +720,7 @@ def smallest_defense_covering(args, pilot: dict) -> None:
         return
     if args.cells is None:
         raise SystemExit(f"--method {args.method}: needs --cells (the folder of the pilot's cells)")
-    _run_pilot_cells(cells, args.cells, cost["cores"])
+    run_cells(dict(sorted(cells.items())), args.cells, cost["cores"])
     delta = float(prereg.load_claims(root)["conventions"]["delta"])
     coverage = pilot_coverage(args.cells, sorted(cells), delta)
     chosen = smallest_covering(coverage, float(pilot["target"]))
@@ -733,9 +733,11 @@ def smallest_defense_covering(args, pilot: dict) -> None:
     write_text_atomic(yaml.safe_dump(out, sort_keys=False, width=110), args.out)
 
 
-def _run_pilot_cells(cells: dict[str, dict], out_dir: Path, cores: int) -> None:
-    """Every pilot cell through kvcert-run (one thread each, ``cores`` at a time); a cell whose manifest exists is
-    kept (a rerun resumes). Progress: one bar over the cells."""
+def run_cells(cells: dict[str, dict], out_dir: Path, cores: int, what: str = "pilot") -> None:
+    """Every cell ({name: {model, overrides}}) through kvcert-run, in the order given, one thread each, ``cores`` at a
+    time, into ``out_dir/<name>/shard-0``; a cell whose manifest exists is kept (a rerun resumes). Progress: one bar
+    over the cells. ``what`` names them in the bar and in the one-line error of a cell that fails (the pilot's cells
+    here, the timing cells in resize_design.py)."""
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
@@ -751,11 +753,11 @@ def _run_pilot_cells(cells: dict[str, dict], out_dir: Path, cores: int) -> None:
         done = subprocess.run([command, f"model={cell['model']}", *cell["overrides"], "threads=1", "progress=false",
                                f"out_dir={target}"], capture_output=True, text=True)
         if done.returncode != 0:
-            raise SystemExit(f"pilot cell {name} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+            raise SystemExit(f"{what} cell {name} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=cores) as pool:
-        for _ in tqdm(pool.map(run, sorted(cells.items())), total=len(cells), desc="pilot cells", file=sys.stderr):
+        for _ in tqdm(pool.map(run, cells.items()), total=len(cells), desc=f"{what} cells", file=sys.stderr):
             pass
 
 

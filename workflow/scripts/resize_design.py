@@ -277,34 +277,16 @@ def cell_type(name: str) -> str:
     return "-".join(name.split("-")[:2])
 
 
-def time_cells(population: dict, out_dir: Path, n_items: int, seed: int, cores: int, plan) -> Path:
+def time_cells(population: dict, out_dir: Path, n_items: int, seed: int, cores: int, plan, run_cells) -> Path:
     """Run every cell of ``plan`` (a function of population, counts and seeds) on ``n_items`` pilot items (data seed
     ``seed``), ``cores`` cells at a time with one thread each, as `make reproduce` runs them; returns ``out_dir`` (one
-    shard-0 per cell, read by ``measured``). Only the manifests' wall seconds are read; the answers are not."""
+    shard-0 per cell, read by ``measured``). Only the manifests' wall seconds are read; the answers are not.
+    run_cells: the pilot's runner (pilot.py's run_cells), so timing and pilot cells run alike."""
     import shutil
-    import subprocess
-    import sys
-    from concurrent.futures import ThreadPoolExecutor
 
     counts = {f"{kind}-{model}": n_items for model in population["models"] for kind in KINDS}
     cells = plan(population, counts, {kind: seed for kind in KINDS})
-    command = [str(Path(sys.executable).with_name("kvcert-run"))]
-
-    def run(item):
-        name, cell = item
-        target = out_dir / name / "shard-0"
-        if (target / "manifest.json").is_file():
-            return
-        args = [*command, f"model={cell['model']}", *cell["overrides"], "threads=1", "progress=false", f"out_dir={target}"]
-        done = subprocess.run(args, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"timing cell {name} failed: {done.stderr.strip().splitlines()[-1:]}")
-
-    from tqdm import tqdm
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(max_workers=cores) as pool:  # progress per finished cell, done ones first
-        list(tqdm(pool.map(run, cells.items()), total=len(cells), desc="timing cells", unit="cell"))
+    run_cells(cells, out_dir, cores, what="timing")
     for leftover in out_dir.glob("*/shard-0/.parts"):
         shutil.rmtree(leftover, ignore_errors=True)
     return out_dir
@@ -507,7 +489,7 @@ def amendment_main(command: str, argv: list[str]) -> None:
     plan = method("plan", spec["method"], f"{where}: plan.method")
     if command == "time":
         time_cells(population, args.cells, int(timing["n_items"]), int(doc["pilot"]["items_seed"]), args.cores,
-                   functools.partial(plan, spec=spec))
+                   functools.partial(plan, spec=spec), pilot.run_cells)
         cells = measured(args.cells)
         text = yaml.safe_dump({"rule": "per item: median over a cell's shards of wall seconds / items (manifest.json)",
                                "inputs": {"cells": str(args.cells), "n_items": timing["n_items"],
