@@ -156,16 +156,16 @@ def test_the_90_minute_rule_keeps_oracle_and_c6_floor_then_scales_question_aware
 
 def _copy(root: Path) -> Path:
     """preregistration/ (amendment 5's DRAFT included), the frozen analysis sources and the claim JSONs the power
-    rule reads, under ``root``."""
-    shutil.copytree(ROOT / "preregistration", root / "preregistration")
+    rule reads, under ``root``; later amendments left out (amendment 5 is then the newest, as it was)."""
+    from test_amendment_from_data import _copy as copy_versions
+
+    copy_versions(root, upto=5)  # preregistration/ and the frozen analysis sources
     # Back to the DRAFT the design rules acted on: no lock, a DRAFT status (the rest of the document is as locked).
     (root / prereg.version(5, ROOT).lock).unlink(missing_ok=True)
     document = root / DRAFT.relative_to(ROOT)
     doc = yaml.safe_load(document.read_text())
     document.write_text(yaml.safe_dump({**doc, "status": f"{prereg.DRAFT_MARK}: the DRAFT, restored by a test"},
                                        sort_keys=False, width=110))
-    shutil.copytree(ROOT / "src" / "kvcert" / "analysis", root / "src" / "kvcert" / "analysis",
-                    ignore=shutil.ignore_patterns("__pycache__"))
     for study in yaml.safe_load(DRAFT.read_text())["power"]["studies"]:
         (root / "results" / study / "claims").mkdir(parents=True)
         for claim in ("c2", "c3"):

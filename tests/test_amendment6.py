@@ -73,7 +73,6 @@ def test_amendment_6_is_locked_states_its_plan_and_names_registered_methods(scri
     assert {"pilot_results", "design", "deviations"} <= set(data)
 
 
-
 def test_the_locked_choice_is_the_rule_applied_to_the_pilots_coverage_table(scripts, data):
     """population.yaml's `chosen` is smallest_covering over its own coverage table (every grid point, every
     configuration of the plan at the pilot's share), and the study's defended cells run that choice."""
@@ -84,7 +83,8 @@ def test_the_locked_choice_is_the_rule_applied_to_the_pilots_coverage_table(scri
         (float(e), float(t)) for e in grid["head_attention_share"] for t in grid["tail_mix"])
     coverage = {(r["head_attention_share"], r["tail_mix"]):
                 {k: v for k, v in r.items() if k not in ("head_attention_share", "tail_mix")} for r in table}
-    configurations = {f"{s},uniform" for s in data["plan"]["scorers"]} | {"snapkv,adakv", "snapkv,pyramidkv"}
+    configurations = {f"{s},{a}" for a, who in data["plan"]["allocators"].items()
+                      for s in (data["plan"]["scorers"] if who == "scorers" else who)}
     assert all(set(row) == configurations for row in coverage.values())
     assert scripts["pilot"].smallest_covering(coverage, float(data["pilot"]["target"])) == population["chosen"]
     design = yaml.safe_load((SIX.parent / "design.yaml").read_text())["reproduce_90_minutes"]["study"]["cells"]

@@ -217,7 +217,6 @@ def test_bad_cells_are_one_line(case):
         expand_cells({"name": "x", "models": {"m": ["model=hf"]}, "cells": {"c": spec}})
 
 
-
 def _matrix_scale(variants):
     return {"name": "x", "models": {"m": ["model=hf"]}, "grid": ["designs=[topk,poisson]", "budgets=[0.25]"],
             "matrix": {"models": ["m"], "data": {"d": ["data=ruler"]}, "settings": ["question_aware", "streaming"],
@@ -245,6 +244,7 @@ def test_a_matrix_variant_adds_a_cell_per_named_setting_after_the_grid():
 def test_bad_matrix_variants_are_one_line(variants, message):
     with pytest.raises(ScaleError, match=message):
         expand_cells(_matrix_scale(variants))
+
 
 def test_longbench_cells_read_the_fetched_copy_unless_they_have_a_path():
     paper, rehearse = load_scale("paper", SCALES), load_scale("rehearse", SCALES)
