@@ -160,6 +160,6 @@ echo "seconds dag $(echo "$(t) - $s" | bc)"
     # stays (a local rule that, offline, checks the staged snapshot)
     dag = (tmp_path / "dag.txt").read_text()
     jobs = dict(line.split()[:2] for line in dag.splitlines() if len(line.split()) == 2 and line.split()[1].isdigit())
-    assert jobs.get("cell") == "160" and jobs.get("fetch_model") == "4" and "fetch_longbench" not in jobs, dag[-2000:]
+    assert jobs.get("cell") == "232" and jobs.get("fetch_model") == "4" and "fetch_longbench" not in jobs, dag[-2000:]
     items = pd.read_parquet(cell_out / "items.parquet")
     assert items["item_id"].nunique() == 2 and len(items) > 2  # every configuration of the paper's grid per item
