@@ -350,3 +350,22 @@ def test_v6_scale_computes_the_locked_design_and_a_pending_study_waits_for_its_l
     (copy / "v6.yaml").write_text(PENDING_SCALE.replace("      why: amendment 6", "      reason: x"))
     with pytest.raises(ScaleError, match=r"^v6.yaml: study v6: pending=.*expected a mapping of until and why$"):
         load_scale("v6", copy)
+
+
+def test_the_paper_scale_applies_amendment_6_with_the_pilots_defenses():
+    """configs/scales/paper.yaml: study paper under prereg 6, its defended cells (matrix variant `defended`,
+    question-aware only) SnapKV Poisson at the locked choice, every undefended cell as before."""
+    from kvcert.scales import load_scale, parse_overrides, scales_folder, studies
+
+    paper = studies(load_scale("paper", scales_folder(ROOT)))["paper"]
+    chosen = yaml.safe_load((SIX.parent / "population.yaml").read_text())["chosen"]
+    assert paper["prereg"] == 6 == prereg.latest(ROOT)
+    defended = {name: cell for name, cell in paper["cells"].items() if name.endswith("-defended")}
+    assert defended and all("-question_aware-" in name for name in defended)
+    for name, cell in defended.items():
+        base = paper["cells"][name.removesuffix("-defended")]
+        assert cell["overrides"][: len(base["overrides"])] == base["overrides"]
+        values = parse_overrides(cell["overrides"])
+        assert values["designs"] == ["poisson"] and values["extra_grids"] == [] and values["policies"] == ["snapkv"]
+        assert values["design_options.tail_mix"] == chosen["tail_mix"]
+        assert values["design_options.head_attention_share"] == chosen["head_attention_share"]

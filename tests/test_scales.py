@@ -68,9 +68,10 @@ def test_rehearsal_keeps_the_paper_matrix_grid_and_claims():
     paper_cells, rehearse_cells = expand_cells(paper), expand_cells(rehearse)
     assert list(paper_cells) == list(rehearse_cells)
     assert shard_list(paper_cells) == shard_list(rehearse_cells)
-    matrix = paper["matrix"]  # models x data x settings cells, each in its shards
-    assert len(shard_list(paper_cells)) == (len(matrix["models"]) * len(matrix["data"]) * len(matrix["settings"])
-                                            * matrix["shards"])
+    matrix = paper["matrix"]  # models x data x (settings + each variant's settings) cells, each in its shards
+    variant_settings = sum(len(v["settings"]) for v in (matrix.get("variants") or {}).values())
+    assert len(shard_list(paper_cells)) == (len(matrix["models"]) * len(matrix["data"])
+                                            * (len(matrix["settings"]) + variant_settings) * matrix["shards"])
     # every rehearsal cell has at least one item per shard, and the lengths are scaled down
     for cell in rehearse_cells.values():
         overrides = cell_overrides(rehearse, cell)
@@ -83,6 +84,7 @@ def test_a_change_of_the_paper_scale_reaches_the_rehearsal(tmp_path):
     paper = yaml.safe_load(paper_file.read_text())
     paper["grid"] = [g.replace("budgets=[0.1,0.25,0.5,0.75]", "budgets=[0.2,0.4]") for g in paper["grid"]]
     paper["studies"]["paper"]["matrix"]["settings"] = ["streaming"]
+    paper["studies"]["paper"]["matrix"]["variants"]["defended"]["settings"] = ["streaming"]
     paper["studies"]["paper"]["matrix"]["data"]["ruler"].append("data.haystack=prose")
     paper_file.write_text(yaml.safe_dump(paper, sort_keys=False))
     rehearse_scale = load_scale("rehearse", tmp_path / "scales")
@@ -91,7 +93,9 @@ def test_a_change_of_the_paper_scale_reaches_the_rehearsal(tmp_path):
     assert rehearse["matrix"]["settings"] == ["streaming"]
     assert override_value(rehearse["matrix"]["data"]["ruler"], "data.haystack") == "prose"
     assert override_value(rehearse["matrix"]["data"]["ruler"], "data.context_tokens") == 800  # rehearse.yaml's substitute
-    assert all(name.endswith("-streaming") for name in expand_cells(rehearse))
+    names = list(expand_cells(rehearse))
+    assert all(name.endswith(("-streaming", "-streaming-defended")) for name in names)
+    assert sum(name.endswith("-defended") for name in names) == len(names) / 2  # the variant follows the paper's
 
 
 def test_the_leaderboard_study_is_tabulated_beside_the_paper_study():
