@@ -39,3 +39,15 @@ def test_poisson_rows_are_kept_per_share_and_the_others_fold_into_the_default():
     got = {(r.design, r.head_fraction): (r.accuracy, r.n) for r in table.itertuples()}
     assert got == {("full", 0.5): (100.0, 2), ("topk", 0.5): (50.0, 2), ("poisson", 0.5): (25.0, 2),
                    ("poisson", 0.8): (pytest.approx(75.0), 2)}
+
+
+def test_defended_poisson_rows_stay_apart_and_the_full_cache_folds():
+    """A cell run with amendment 6's defenses records them on every row, the full cache's included: its Poisson rows
+    make their own row (the policy names the defenses, as the claims label them); its full-cache rows fold into the
+    undefended cell's, which ran the same items."""
+    defended = _items(SHARE_CELL).assign(tail_mix=0.2, head_attention_share=0.5)
+    table = accuracy_table(pd.concat([_items(DEFAULT_CELL), defended], ignore_index=True))
+    assert list(table.columns) == COLUMNS
+    got = {(r.policy, r.design): (r.accuracy, r.n) for r in table.itertuples()}
+    assert got == {("full", "full"): (100.0, 2), ("snapkv", "topk"): (50.0, 2), ("snapkv", "poisson"): (25.0, 2),
+                   ("snapkv+lambda0.2+eta0.5", "poisson"): (pytest.approx(75.0), 2)}

@@ -20,6 +20,7 @@ from kvcert.analysis import data
 from kvcert.analysis.strata import DEFAULT_ALLOCATOR, DEFAULT_SHARE
 from kvcert.analysis.errors import AnalysisError
 from kvcert.atomic import write_text_atomic
+from kvcert.table_columns import DEFENSE_COLUMNS
 
 COLUMNS = ["model", "task", "setting", "policy", "design", "budget", "accuracy", "n"]
 # Cells run with a non-uniform allocator carry an ``allocator`` column (kvcert.table_columns.ALLOCATOR_ITEM_COLUMNS);
@@ -32,6 +33,10 @@ ALLOCATOR = "allocator"
 # of several shares make one row.
 SHARE = "head_fraction"
 SAMPLED_DESIGN = "poisson"
+# Likewise the certificate's defenses (kvcert.table_columns.DEFENSE_COLUMNS, amendment 6): a defended Poisson row's
+# policy carries them as the claims do (``cur+lambda0.2+eta0.5``, kvcert.analysis.defended.labelled), so that the
+# defended and undefended runs of a scorer make separate rows; the full cache and top-k do not depend on them (a
+# defended cell records its defenses on its full-cache rows too), so their rows fold into the undefended one.
 
 
 def accuracy_points(items: pd.DataFrame) -> float:
@@ -44,8 +49,15 @@ def accuracy_points(items: pd.DataFrame) -> float:
 
 
 def accuracy_table(items: pd.DataFrame) -> pd.DataFrame:
-    """One row per (model, task, setting, policy[, allocator], design[, head_fraction], budget) of an items table."""
+    """One row per (model, task, setting, policy[, allocator], design[, head_fraction], budget) of an items table
+    (one row per item, seed and configuration); a defended Poisson configuration's policy names its defenses."""
     columns = list(COLUMNS)
+    defenses = [c for c in DEFENSE_COLUMNS if c in items.columns]
+    if defenses:
+        from kvcert.analysis.defended import labelled  # defended imports the claims, which need not load here
+
+        sampled = items["design"].eq(SAMPLED_DESIGN)
+        items = labelled(items.assign(**{c: items[c].where(sampled, 0.0) for c in defenses}))
     if ALLOCATOR in items.columns:
         items = items.assign(**{ALLOCATOR: items[ALLOCATOR].fillna(DEFAULT_ALLOCATOR)})
         columns.insert(columns.index("policy") + 1, ALLOCATOR)
