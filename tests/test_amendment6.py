@@ -325,16 +325,16 @@ studies:
 
 
 def test_v6_scale_computes_the_locked_design_and_a_pending_study_waits_for_its_lock(tmp_path):
-    """v6's scale reads amendment 6's locked design. The pending mechanism that kept it out before the lock (our own
+    """The default scale computes study v6 from amendment 6's locked design (make reproduce). The pending mechanism that kept it out before the lock (our own
     logic, on a made-up scale and design in a throwaway folder): a study pending until a file exists runs nothing
     before it, and is read from its design after."""
     from kvcert.scales import ScaleError, load_scale, scales_folder, studies
 
     scales = scales_folder(ROOT)
-    got = studies(load_scale("v6", scales))["v6"]
+    got = studies(load_scale("default", scales))["v6"]
     design = yaml.safe_load((ROOT / "preregistration" / "amendment-6" / "design.yaml").read_text())
     assert got["prereg"] == 6 and list(got["cells"]) == list(design["reproduce_90_minutes"]["study"]["cells"])
-    assert not load_scale("v6", scales).get("pending")
+    assert "pending" not in load_scale("default", scales)["studies"]["v6"]
     copy = tmp_path / "configs" / "scales"
     copy.mkdir(parents=True)
     (copy / "v6.yaml").write_text(PENDING_SCALE)

@@ -102,7 +102,8 @@ def test_rows_span_pools_accuracy_by_the_columns_it_names():
 
 def test_a_field_written_not_equal_leaves_its_rows_out_and_a_constants_item_is_read_by_position(tmp_path):
     """``FIELD!=VALUE`` keeps the rows whose FIELD differs (a width range over its finite cells, as
-    docs/CALIBRATION-LEVEL.md renders it), in a value and in a rows span; ``const ... NAME.N`` is a tuple's Nth item."""
+    docs/CALIBRATION-LEVEL.md renders it), in a value and in a rows span; ``FIELD~=REGEX`` the rows whose whole FIELD
+    it matches; ``const ... NAME.N`` is a tuple's Nth item."""
     results = tmp_path / "results"
     results.mkdir()
     (results / "t.csv").write_text("policy,budget,width\nsnapkv,0.1,1.15\nsnapkv,0.5,1.01\nsnapkv,0.75,inf\n"
@@ -111,6 +112,11 @@ def test_a_field_written_not_equal_leaves_its_rows_out_and_a_constants_item_is_r
     assert value(results, "table file=t.csv policy=snapkv max(width) .2f") == "inf"
     assert value(results, "table file=t.csv policy=snapkv width!=inf max(width) .2f") == "1.15"
     assert value(results, "table file=t.csv policy!=snapkv max(width) .2f") == "1.90"
+    assert value(results, "table file=t.csv policy~=snap.* width!=inf min(width) .2f") == "1.01"
+    with pytest.raises(ValueError, match=r"0 rows match"):  # the whole cell must match, not a part of it
+        value(results, "table file=t.csv policy~=snap budget=0.1 width .2f")
+    with pytest.raises(ValueError, match=r"not a regular expression"):
+        value(results, "table file=t.csv policy~=( width .2f")
     page = "<!-- rows:table file=t.csv width!=inf policy=snapkv\n{budget:g}\n-->\n<!-- /rows -->"
     assert renderer().render(page, results).endswith("-->\n0.1\n0.5\n<!-- /rows -->")
     (tmp_path / "m.py").write_text("LEVELS = (0.9, 0.95, 0.975, 0.99)\n")

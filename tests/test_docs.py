@@ -178,7 +178,9 @@ def test_a_page_may_state_only_its_own_studys_design_by_hand():
     assert [p.relative_to(ROOT).as_posix() for p in applied_yamls("v4")] == [
         "configs/scales/v4.yaml", "preregistration/amendment-4.yaml"]
     assert [p.relative_to(ROOT).as_posix() for p in applied_yamls("v5")] == [
-        "configs/scales/default.yaml", "preregistration/amendment-5/amendment.yaml"]
+        "configs/scales/v5.yaml", "preregistration/amendment-5/amendment.yaml"]
+    assert [p.relative_to(ROOT).as_posix() for p in applied_yamls("v6")] == [
+        "configs/scales/default.yaml", "preregistration/amendment-6/amendment.yaml"]
     assert [p.name for p in applied_yamls("sensitivity")] == ["sensitivity.yaml"]
     document = yaml.safe_load("n: 610  # 7,796 in a comment\noverrides: [n_items=126, 'seed 9,501']\nflag: true\n")
     assert yaml_numbers(document) == {610.0, 126.0, 9501.0}

@@ -324,8 +324,16 @@ def _same(cell, wanted):
 
 def _matches(row, fields):
     """Whether ``row`` matches every FIELD=VALUE of a key; a field written FIELD!=VALUE (parsed as ``FIELD!``)
-    matches a row whose FIELD differs from VALUE (``width!=inf``: the finite widths)."""
+    matches a row whose FIELD differs from VALUE (``width!=inf``: the finite widths), one written FIELD~=REGEX a row
+    whose whole FIELD the regular expression matches (``policy~=[a-z_]+``: the scorers without a defense)."""
     for k, v in fields.items():
+        if k.endswith("~"):
+            try:
+                if k[:-1] not in row or not re.fullmatch(v, str(row[k[:-1]])):
+                    return False
+            except re.error as err:
+                raise DocError(f"field {k}={v!r}: not a regular expression ({err})") from None
+            continue
         name, equal = (k[:-1], False) if k.endswith("!") else (k, True)
         if name not in row or _same(row[name], v) != equal:
             return False
