@@ -193,6 +193,13 @@ decode-compression: install model
 defense-probe: install model
 	$(BIN)/python benchmarks/defense_probe.py
 
+## Exploratory, after study v6: amendment 6's defenses at its pilot's choice on rankings a user registers
+## (the window's attention reversed, value norms) and workloads no study uses (RULER vt, multi-value), SmolLM2
+## (benchmarks/defense_unseen.py); writes results/exploratory/defenses/unseen.csv.
+.PHONY: defense-unseen
+defense-unseen: install model
+	$(BIN)/python benchmarks/defense_unseen.py
+
 ## Batches under the press (benchmarks/press_batch_throughput.py): SmolLM2 on the CPU, tokens per second against batch
 ## size for top-k and Poisson beside the stock model, measured side by side in one run, and the peak memory.
 .PHONY: bench-press-batch

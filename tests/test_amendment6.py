@@ -1,4 +1,4 @@
-"""Amendment 6 (a draft) is data: its plan, pilot, power and design rule are named in its YAML, the registry maps the
+"""Amendment 6 (locked) is data: its plan, pilot, power and design rule are named in its YAML, the registry maps the
 names to functions, and its pilot's rule picks the certificate's defenses from a coverage table.
 
 The plan is built from preregistration/amendment-6/amendment.yaml through the registry, at a pilot's choice given
@@ -369,3 +369,24 @@ def test_the_paper_scale_applies_amendment_6_with_the_pilots_defenses():
         assert values["designs"] == ["poisson"] and values["extra_grids"] == [] and values["policies"] == ["snapkv"]
         assert values["design_options.tail_mix"] == chosen["tail_mix"]
         assert values["design_options.head_attention_share"] == chosen["head_attention_share"]
+
+
+def test_every_v6_cell_ran_after_the_lock():
+    """The lock predates every committed v6 cell: each manifest records the clean commit it ran from, and the commit
+    that added amendment 6's lock is an ancestor of it (a cell cannot record a commit made after it ran)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+    if git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
+        pytest.skip("a shallow clone lacks the history the check reads")
+    lock = git("log", "--diff-filter=A", "--format=%H", "--", "preregistration/amendment-6/amendment.lock").stdout.split()
+    assert len(lock) == 1, f"want one commit that added amendment 6's lock, got {lock}"
+    manifests = sorted((ROOT / "results" / "v6" / "cells").glob("*/shard-*/manifest.json"))
+    design = yaml.safe_load((ROOT / "preregistration" / "amendment-6" / "design.yaml").read_text())
+    cells = design["reproduce_90_minutes"]["study"]["cells"]
+    assert len(manifests) == sum(cell.get("shards", 1) for cell in cells.values())  # every shard of the locked design
+    sources = {json.loads(p.read_text())["source"]["commit"] for p in manifests}
+    assert all(not json.loads(p.read_text())["source"]["dirty"] for p in manifests)
+    for commit in sources:
+        assert git("merge-base", "--is-ancestor", lock[0], commit).returncode == 0, (
+            f"v6 cells ran from {commit}, which does not descend from the lock's commit {lock[0]}")

@@ -121,7 +121,15 @@ def scheduled_jobs(proc) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("scale", sorted(p.stem for p in scales_folder(ROOT).glob("*.yaml")))
+def _powered(path) -> bool:
+    """Whether a scale reads an amendment's powered design (thousands of cell jobs, a cluster's: v5-full, v6-full)."""
+    return any(isinstance(study, dict) and str((study.get("design") or {}).get("study", "")).startswith("powered.")
+               for study in (yaml.safe_load(path.read_text()).get("studies") or {}).values())
+
+
+# A powered design's DAG takes most of a minute to build on 2 cores: its dry run is make test-full's (marked slow).
+@pytest.mark.parametrize("scale", [pytest.param(p.stem, marks=[pytest.mark.slow] if _powered(p) else [])
+                                   for p in sorted(scales_folder(ROOT).glob("*.yaml"))])
 def test_dry_run_is_clean(scale, scale_dag):
     # The whole DAG, every job forced (one dry run per scale and session, shared with the other DAG tests).
     jobs = scale_dag(scale)
