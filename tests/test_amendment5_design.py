@@ -164,6 +164,10 @@ def _copy(root: Path) -> Path:
     (root / prereg.version(5, ROOT).lock).unlink(missing_ok=True)
     document = root / DRAFT.relative_to(ROOT)
     doc = yaml.safe_load(document.read_text())
+    sidecar = document.parent / "spec.yaml"
+    if sidecar.is_file():  # a draft states its plan and power targets itself: the locked sidecar's keys go back in
+        doc = workflow_script("pilot")._fill(doc, yaml.safe_load(sidecar.read_text()), str(sidecar))
+        sidecar.unlink()
     document.write_text(yaml.safe_dump({**doc, "status": f"{prereg.DRAFT_MARK}: the DRAFT, restored by a test"},
                                        sort_keys=False, width=110))
     for study in yaml.safe_load(DRAFT.read_text())["power"]["studies"]:
