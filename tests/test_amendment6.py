@@ -390,3 +390,23 @@ def test_every_v6_cell_ran_after_the_lock():
     for commit in sources:
         assert git("merge-base", "--is-ancestor", lock[0], commit).returncode == 0, (
             f"v6 cells ran from {commit}, which does not descend from the lock's commit {lock[0]}")
+
+
+def test_claims_by_policy_holds_c3_for_every_configuration_with_and_without_each_defense():
+    """results/claims_by_policy.csv, study v6, pooled over both models: C3's coverage and Spearman for every
+    (scorer, allocator) of amendment 6's plan, every certain-head share, without a defense, with each alone and with
+    both at the locked choice; each with a verdict and the per-scorer verdict beside it."""
+    doc = yaml.safe_load(SIX.read_text())
+    chosen = yaml.safe_load((SIX.parent / "population.yaml").read_text())["chosen"]
+    plan = doc["plan"]
+    pairs = {(s, a) for a, scorers in plan["allocators"].items()
+             for s in (plan["scorers"] if scorers == "scorers" else scorers)}
+    shares = next(f["values"] for f in plan["factors"] if f["label"] == "share")
+    lam, eta = f"+lambda{chosen['tail_mix']:g}", f"+eta{chosen['head_attention_share']:g}"
+    table = pd.read_csv(ROOT / "results" / "claims_by_policy.csv")
+    c3 = table[(table["study"] == "v6") & (table["claim"] == "c3") & (table["model"] == "pooled")]
+    got = {(p, a, float(h), c) for p, a, h, c in zip(c3["policy"], c3["allocator"], c3["head_fraction"], c3["component"])}
+    want = {(s + d, a, float(h), c) for s, a in pairs for d in ("", lam, eta, lam + eta) for h in shares
+            for c in ("coverage", "spearman")}
+    assert len(pairs) == 14 and got == want
+    assert c3["verdict"].isin(["supported", "not supported", "inconclusive"]).all() and c3["policy_verdict"].notna().all()
