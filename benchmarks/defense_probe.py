@@ -95,19 +95,25 @@ def probe(threads: int = 1) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=OUT, help="the CSV to write (atomically)")
+def table_cli(run, out: Path, description: str, name: str, argv: list[str] | None = None) -> int:
+    """A probe's command line: ``--out`` (default ``out``) and ``--threads``; ``run(threads)`` gives the table, which is
+    written atomically and printed (defense_unseen.py shares it)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=out, help="the CSV to write (atomically)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args(argv)
     from kvcert.atomic import write_text_atomic
 
-    table = probe(args.threads)
+    table = run(args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(table.round(4).to_csv(index=False), args.out)
     print(table.round(3).to_string(index=False))
-    print(f"defense_probe: wrote {args.out}")
+    print(f"{name}: wrote {args.out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return table_cli(probe, OUT, __doc__.split("\n\n")[0], "defense_probe", argv)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ limit if smaller), one thread on the shared cores.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 from pathlib import Path
 
@@ -134,18 +133,9 @@ def run(threads: int = 1) -> pd.DataFrame:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=OUT, help="the CSV to write (atomically)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    args = parser.parse_args(argv)
-    from kvcert.atomic import write_text_atomic
+    from defense_probe import table_cli  # the sibling probe's command line (the script's folder is on sys.path)
 
-    table = run(args.threads)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(table.round(4).to_csv(index=False), args.out)
-    print(table.round(3).to_string(index=False))
-    print(f"defense_unseen: wrote {args.out}")
-    return 0
+    return table_cli(run, OUT, __doc__.split("\n\n")[0], "defense_unseen", argv)
 
 
 if __name__ == "__main__":
