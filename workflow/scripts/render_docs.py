@@ -325,7 +325,7 @@ def _same(cell, wanted):
 def _matches(row, fields):
     """Whether ``row`` matches every FIELD=VALUE of a key; a field written FIELD!=VALUE (parsed as ``FIELD!``)
     matches a row whose FIELD differs from VALUE (``width!=inf``: the finite widths), one written FIELD~=REGEX a row
-    whose whole FIELD the regular expression matches (``policy~=[a-z_]+``: the scorers without a defense)."""
+    whose whole FIELD the regular expression matches (``policy~=[a-z0-9_]+``: the scorers without a defense)."""
     for k, v in fields.items():
         if k.endswith("~"):
             try:
