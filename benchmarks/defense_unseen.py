@@ -99,15 +99,19 @@ def run(threads: int = 1) -> pd.DataFrame:
     work = list(itertools.product(WORKLOADS, POLICIES, settings))
     items = {task: load_items("ruler", {"tasks": [task], "context_tokens": CONTEXT_TOKENS, "seed": SEED},
                               tokenizer, ITEMS) for task in WORKLOADS}
+    def ask(item, **configuration):
+        """One item through kvcert.generate: (its steps, whether the answer is right)."""
+        out = kvcert.generate(model, tokenizer, context=item.context, question=item.question,
+                              answer_prefix=item.answer_prefix, item_id=item.id,
+                              max_new_tokens=min(NEW_TOKENS, item.max_new_tokens), **configuration)
+        text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return out.steps, is_correct(score_item(item, text), item.metric)
+
     with tqdm(total=(len(work) + len(WORKLOADS)) * ITEMS, desc="defenses on unseen rankings and workloads") as bar:
         for task in WORKLOADS:  # the full cache's accuracy: what the compressed answers are measured against
             correct = []
             for item in items[task]:
-                out = kvcert.generate(model, tokenizer, context=item.context, question=item.question,
-                                      answer_prefix=item.answer_prefix, policy="full", design="full", budget=1.0,
-                                      item_id=item.id, max_new_tokens=min(NEW_TOKENS, item.max_new_tokens))
-                text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                correct.append(is_correct(score_item(item, text), item.metric))
+                correct.append(ask(item, policy="full", design="full", budget=1.0)[1])
                 bar.update(1)
             rows.append({"task": task, "policy": "full", "items": len(items[task]), "rows": 0,
                          "accuracy": float(np.mean(correct))})
@@ -115,13 +119,10 @@ def run(threads: int = 1) -> pd.DataFrame:
             options = kvcert.DesignOptions(head_fraction=share, **settings[setting])
             steps, correct = [], []
             for item in items[task]:
-                out = kvcert.generate(model, tokenizer, context=item.context, question=item.question,
-                                      answer_prefix=item.answer_prefix, policy=policy, design="poisson",
-                                      budget=BUDGET, seed=0, item_id=item.id, oracle=True, options=options,
-                                      max_new_tokens=min(NEW_TOKENS, item.max_new_tokens))
-                steps.append(out.steps)
-                text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                correct.append(is_correct(score_item(item, text), item.metric))
+                item_steps, right = ask(item, policy=policy, design="poisson", budget=BUDGET, seed=0, oracle=True,
+                                        options=options)
+                steps.append(item_steps)
+                correct.append(right)
                 bar.update(1)
             table = pd.concat(steps, ignore_index=True)
             table = table[np.isfinite(table["cert"]) & np.isfinite(table["true_err"])]

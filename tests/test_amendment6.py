@@ -37,6 +37,11 @@ def data(scripts):
     return scripts["pilot"].amendment_data(SIX)
 
 
+def _configurations(plan: dict) -> set[tuple[str, str]]:
+    """The (scorer, allocator) pairs of an amendment's plan (``allocators``: an allocator -> "scorers" or a list)."""
+    return {(s, a) for a, who in plan["allocators"].items() for s in (plan["scorers"] if who == "scorers" else who)}
+
+
 def _population(chosen: dict) -> dict:
     population = yaml.safe_load((ROOT / "preregistration" / "amendment-5" / "population.yaml").read_text())
     return {**population, "chosen": chosen}
@@ -83,8 +88,7 @@ def test_the_locked_choice_is_the_rule_applied_to_the_pilots_coverage_table(scri
         (float(e), float(t)) for e in grid["head_attention_share"] for t in grid["tail_mix"])
     coverage = {(r["head_attention_share"], r["tail_mix"]):
                 {k: v for k, v in r.items() if k not in ("head_attention_share", "tail_mix")} for r in table}
-    configurations = {f"{s},{a}" for a, who in data["plan"]["allocators"].items()
-                      for s in (data["plan"]["scorers"] if who == "scorers" else who)}
+    configurations = {f"{s},{a}" for s, a in _configurations(data["plan"])}
     assert all(set(row) == configurations for row in coverage.values())
     assert scripts["pilot"].smallest_covering(coverage, float(data["pilot"]["target"])) == population["chosen"]
     design = yaml.safe_load((SIX.parent / "design.yaml").read_text())["reproduce_90_minutes"]["study"]["cells"]
@@ -325,9 +329,9 @@ studies:
 
 
 def test_v6_scale_computes_the_locked_design_and_a_pending_study_waits_for_its_lock(tmp_path):
-    """The default scale computes study v6 from amendment 6's locked design (make reproduce). The pending mechanism that kept it out before the lock (our own
-    logic, on a made-up scale and design in a throwaway folder): a study pending until a file exists runs nothing
-    before it, and is read from its design after."""
+    """The default scale computes study v6 from amendment 6's locked design (make reproduce). The pending mechanism
+    that kept it out before the lock (our own logic, on a made-up scale and design in a throwaway folder): a study
+    pending until a file exists runs nothing before it, and is read from its design after."""
     from kvcert.scales import ScaleError, load_scale, scales_folder, studies
 
     scales = scales_folder(ROOT)
@@ -385,9 +389,9 @@ def test_every_v6_cell_ran_after_the_lock():
     design = yaml.safe_load((ROOT / "preregistration" / "amendment-6" / "design.yaml").read_text())
     cells = design["reproduce_90_minutes"]["study"]["cells"]
     assert len(manifests) == sum(cell.get("shards", 1) for cell in cells.values())  # every shard of the locked design
-    sources = {json.loads(p.read_text())["source"]["commit"] for p in manifests}
-    assert all(not json.loads(p.read_text())["source"]["dirty"] for p in manifests)
-    for commit in sources:
+    sources = [json.loads(p.read_text())["source"] for p in manifests]
+    assert not any(source["dirty"] for source in sources)
+    for commit in {source["commit"] for source in sources}:
         assert git("merge-base", "--is-ancestor", lock[0], commit).returncode == 0, (
             f"v6 cells ran from {commit}, which does not descend from the lock's commit {lock[0]}")
 
@@ -399,8 +403,7 @@ def test_claims_by_policy_holds_c3_for_every_configuration_with_and_without_each
     doc = yaml.safe_load(SIX.read_text())
     chosen = yaml.safe_load((SIX.parent / "population.yaml").read_text())["chosen"]
     plan = doc["plan"]
-    pairs = {(s, a) for a, scorers in plan["allocators"].items()
-             for s in (plan["scorers"] if scorers == "scorers" else scorers)}
+    pairs = _configurations(plan)
     shares = next(f["values"] for f in plan["factors"] if f["label"] == "share")
     lam, eta = f"+lambda{chosen['tail_mix']:g}", f"+eta{chosen['head_attention_share']:g}"
     table = pd.read_csv(ROOT / "results" / "claims_by_policy.csv")
