@@ -37,9 +37,9 @@ def data(scripts):
     return scripts["pilot"].amendment_data(SIX)
 
 
-def _configurations(plan: dict) -> set[tuple[str, str]]:
-    """The (scorer, allocator) pairs of an amendment's plan (``allocators``: an allocator -> "scorers" or a list)."""
-    return {(s, a) for a, who in plan["allocators"].items() for s in (plan["scorers"] if who == "scorers" else who)}
+def _configurations(resize_design, plan: dict) -> set[tuple[str, str]]:
+    """The (scorer, allocator) pairs of an amendment's plan, as resize_design.allocators_of reads them."""
+    return {(s, a) for a, scorers in resize_design.allocators_of(plan).items() for s in scorers}
 
 
 def _population(chosen: dict) -> dict:
@@ -88,7 +88,7 @@ def test_the_locked_choice_is_the_rule_applied_to_the_pilots_coverage_table(scri
         (float(e), float(t)) for e in grid["head_attention_share"] for t in grid["tail_mix"])
     coverage = {(r["head_attention_share"], r["tail_mix"]):
                 {k: v for k, v in r.items() if k not in ("head_attention_share", "tail_mix")} for r in table}
-    configurations = {f"{s},{a}" for s, a in _configurations(data["plan"])}
+    configurations = {f"{s},{a}" for s, a in _configurations(scripts["resize_design"], data["plan"])}
     assert all(set(row) == configurations for row in coverage.values())
     assert scripts["pilot"].smallest_covering(coverage, float(data["pilot"]["target"])) == population["chosen"]
     design = yaml.safe_load((SIX.parent / "design.yaml").read_text())["reproduce_90_minutes"]["study"]["cells"]
@@ -396,14 +396,14 @@ def test_every_v6_cell_ran_after_the_lock():
             f"v6 cells ran from {commit}, which does not descend from the lock's commit {lock[0]}")
 
 
-def test_claims_by_policy_holds_c3_for_every_configuration_with_and_without_each_defense():
+def test_claims_by_policy_holds_c3_for_every_configuration_with_and_without_each_defense(scripts):
     """results/claims_by_policy.csv, study v6, pooled over both models: C3's coverage and Spearman for every
     (scorer, allocator) of amendment 6's plan, every certain-head share, without a defense, with each alone and with
     both at the locked choice; each with a verdict and the per-scorer verdict beside it."""
     doc = yaml.safe_load(SIX.read_text())
     chosen = yaml.safe_load((SIX.parent / "population.yaml").read_text())["chosen"]
     plan = doc["plan"]
-    pairs = _configurations(plan)
+    pairs = _configurations(scripts["resize_design"], plan)
     shares = next(f["values"] for f in plan["factors"] if f["label"] == "share")
     lam, eta = f"+lambda{chosen['tail_mix']:g}", f"+eta{chosen['head_attention_share']:g}"
     table = pd.read_csv(ROOT / "results" / "claims_by_policy.csv")
