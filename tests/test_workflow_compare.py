@@ -232,6 +232,29 @@ def test_an_unknown_study_is_one_line(capsys):
     assert set(compare_results.known_studies()) == set(pd.read_csv(ROOT / "results" / "claims.csv")["study"])
 
 
+def test_columns_are_compared_by_name_not_by_order(tmp_path):
+    # The default scale's accuracy.csv puts allocator and head_fraction last (study v1's table, first, lacks them);
+    # study v5 recomputed by its own scale writes them where v5's table has them (make verify-results STUDIES=v5
+    # on 2026-12-07 failed a correct rerun on this order alone).
+    record = ("study,model,task,setting,policy,design,budget,accuracy,n,allocator,head_fraction\n"
+              "v5,smollm2,niah_multikey_2_512,question_aware,leverage,poisson,0.25,90.3226,31,uniform,0.8\n")
+    rerun = ("study,model,task,setting,policy,allocator,design,head_fraction,budget,accuracy,n\n"
+             "v5,smollm2,niah_multikey_2_512,question_aware,leverage,uniform,poisson,0.8,0.25,90.3226,31\n")
+    committed, fresh = _write(tmp_path / "record", accuracy=record), _write(tmp_path / "rerun", accuracy=rerun)
+    for byte_for_byte in (True, False):
+        assert compare_results.compare_table(committed / "accuracy.csv", fresh / "accuracy.csv", ["v5"],
+                                             byte_for_byte) == []
+    # a value that differs is still found, named by its column, in either comparison
+    moved = _write(tmp_path / "moved", accuracy=rerun.replace("0.8,0.25", "0.95,0.25"))
+    assert compare_results.compare_table(committed / "accuracy.csv", moved / "accuracy.csv", ["v5"], False) == [
+        "v5 smollm2 niah_multikey_2_512 question_aware leverage poisson 0.25 uniform 0.8: head_fraction 0.8 vs 0.95"]
+    assert compare_results.compare_table(committed / "accuracy.csv", moved / "accuracy.csv", ["v5"], True)
+    # other columns are not an order: a missing or an extra column is a difference
+    fewer = _write(tmp_path / "fewer", accuracy=rerun.replace(",head_fraction", "").replace(",0.8,", ","))
+    assert compare_results.compare_table(committed / "accuracy.csv", fewer / "accuracy.csv", ["v5"], False)[0] \
+        .startswith("columns ")
+
+
 def test_a_differing_accuracy_is_stated_in_items_and_names_its_whole_row(tmp_path):
     # Study v5's rows differ only in model, design, budget, allocator or share, so the row's name carries them all,
     # and a differing accuracy says how many of its items it moved (one of an item's three draws: a third).

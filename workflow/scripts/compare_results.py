@@ -177,6 +177,28 @@ def _study_lines(path: Path, studies: list[str]) -> tuple[str, list[str]]:
     return lines[0], body
 
 
+def _in_record_order(head_a: str, rows_a: list[str], head_b: str, rows_b: list[str]
+                     ) -> tuple[str, list[str], str, list[str]]:
+    """Both copies with the record's column order where they hold the same columns in another order. The
+    default scale's accuracy.csv concatenates every study's table, and a column only later studies have
+    (allocator, head_fraction) goes last; a study recomputed by its own scale writes them where its table has
+    them. The order is not a result, so fields are compared by column name: each row is re-written field for
+    field (csv quoting alike on both sides), the record's in its own order, the rerun's in the record's."""
+    columns_a, columns_b = next(csv.reader([head_a])), next(csv.reader([head_b]))
+    if columns_a == columns_b or sorted(columns_a) != sorted(columns_b):
+        return head_a, rows_a, head_b, rows_b
+    where = [columns_b.index(column) for column in columns_a]
+
+    def line(fields: list[str]) -> str:
+        out = io.StringIO()
+        csv.writer(out, lineterminator="\n").writerow(fields)
+        return out.getvalue()
+
+    rows_a = [line(row) for row in csv.reader(rows_a)]
+    rows_b = [line([row[i] for i in where]) for row in csv.reader(rows_b)]
+    return line(columns_a), rows_a, line(columns_a), rows_b
+
+
 def _frame(header: str, body: list[str]) -> pd.DataFrame:
     return pd.read_csv(io.StringIO(header + "".join(body)), keep_default_na=False, na_values=[""])
 
@@ -204,6 +226,7 @@ def compare_table(committed: Path, fresh: Path, studies: list[str], byte_for_byt
     (head_a, rows_a), (head_b, rows_b) = _study_lines(committed, studies), _study_lines(fresh, studies)
     if not rows_a:
         raise CompareError(f"{committed}: no row of study {', '.join(studies)}")
+    head_a, rows_a, head_b, rows_b = _in_record_order(head_a, rows_a, head_b, rows_b)
     if byte_for_byte:
         if head_a != head_b:
             return [f"header: {head_a.strip()!r} vs {head_b.strip()!r}"]
