@@ -152,7 +152,17 @@ echo "seconds dag $(echo "$(t) - $s" | bc)"
     assert (fetched["revision"], fetched["sha256"]) == (qwen["revision"], qwen["sha256"])
     report = (tmp_path / "device_check.txt").read_text()
     assert "PASS" in report or "FAIL" in report, report[-2000:]
-    assert "device check: exit 0" in proc.stdout, report[-3000:]
+    # Every numerical check passes offline; the overhead line is a wall-clock ratio (d/c) that a busy 2-core host
+    # can push past its gross bound, so its verdict is not asserted here (tests never assert times) - only that it
+    # was measured, and that the exit status follows the lines.
+    rows = {line.split()[0]: line for line in report.splitlines()
+            if line.split() and line.split()[0] in ("tokens", "outputs", "certificates", "error", "coverage",
+                                                    "overhead", "memory")}
+    assert set(rows) == {"tokens", "outputs", "certificates", "error", "coverage", "overhead", "memory"}, report
+    failed = [name for name, line in rows.items() if line.rstrip().endswith("FAIL") and name != "overhead"]
+    assert not failed, report[-3000:]
+    expected_exit = 1 if rows["overhead"].rstrip().endswith("FAIL") else 0
+    assert f"device check: exit {expected_exit}" in proc.stdout, report[-3000:]
     manifest = json.loads((cell_out / "manifest.json").read_text())
     assert manifest["model"] == {"kind": "hf", "name": PAPER_MODELS["qwen2"], "sha256": qwen["sha256"],
                                  "revision": qwen["revision"]}
