@@ -266,6 +266,15 @@ study: install
 	@test -f $(SCALES_DIR)/$(SCALE).yaml || { echo "make study: SCALE=$(SCALE): no $(SCALES_DIR)/$(SCALE).yaml; one of: $(sort $(basename $(notdir $(wildcard $(SCALES_DIR)/*.yaml))))" >&2; exit 2; }
 	$(SNAKEMAKE) --cores $(CORES) --rerun-incomplete --config scale=$(SCALE)
 
+## Redraw a scale's figures from its committed tables (tables -> figures), recomputing no cell or table: only the
+## rules that read tables alone run (workflow/rules/exploratory.smk, rule redraw). make redraw SCALE=<name>.
+REDRAW_RULES := redraw certified_budgets_figure
+.PHONY: redraw
+redraw: install
+	@test "$(origin SCALE)" != file || { echo "make redraw: SCALE is not set: make redraw SCALE=<name>, one of: $(sort $(basename $(notdir $(wildcard $(SCALES_DIR)/*.yaml))))" >&2; exit 2; }
+	@test -f $(SCALES_DIR)/$(SCALE).yaml || { echo "make redraw: SCALE=$(SCALE): no $(SCALES_DIR)/$(SCALE).yaml; one of: $(sort $(basename $(notdir $(wildcard $(SCALES_DIR)/*.yaml))))" >&2; exit 2; }
+	$(SNAKEMAKE) --cores $(CORES) --config scale=$(SCALE) --allowed-rules $(REDRAW_RULES) --forcerun $(REDRAW_RULES) -- redraw
+
 ## Version 4's record: amendment 4's 90-minute design (configs/scales/v4.yaml), the default scale until
 ## amendment 5; the time it took is in docs/studies/v4.md.
 reproduce-v4:

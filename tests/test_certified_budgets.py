@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 def script():
     spec = importlib.util.spec_from_file_location("certified_budgets", ROOT / "workflow" / "scripts" /
                                                   "certified_budgets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def figure_script():
+    spec = importlib.util.spec_from_file_location("certified_budgets_figure", ROOT / "workflow" / "scripts" /
+                                                  "certified_budgets_figure.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -85,8 +98,6 @@ def cells(tmp_path):
 
 def recorded(spec, tmp_path, name, **config):
     """A copy of a cell spec whose shard records ``config`` (its tables as the spec's)."""
-    import shutil
-
     shard = tmp_path / name / "shard-0"
     shutil.copytree(spec["dirs"][0], shard)
     (shard / "config.yaml").write_text("".join(f"{k}: {v}\n" for k, v in config.items()))
@@ -95,7 +106,7 @@ def recorded(spec, tmp_path, name, **config):
 
 def test_tables_match_a_hand_computation(script, cells, tmp_path):
     out = tmp_path / "out"
-    script.main(cells, [0.1, 0.05], 0.05, out, tmp_path / "fig.png", tmp_path / "fig.pdf")
+    script.main(cells, [0.1, 0.05], 0.05, out)
     # exactly the tables rule certified_budgets declares as outputs (exploratory.smk's CERTIFIED_TABLES)
     rule = (ROOT / "workflow" / "rules" / "exploratory.smk").read_text()
     declared = ast.literal_eval(re.search(r"^CERTIFIED_TABLES = (\(.*?\))$", rule, re.M | re.S).group(1))
@@ -144,7 +155,6 @@ def test_tables_match_a_hand_computation(script, cells, tmp_path):
     assert [overall["capped_coverage_low"], overall["capped_coverage_high"]] == pytest.approx([1 / 3, 1 / 3])
     layer0 = gap[gap["layer"] == "0"].iloc[0]
     assert layer0["n_capped_step_rows"] == 0 and np.isnan(layer0["capped_coverage_low"])
-    assert (tmp_path / "fig.png").stat().st_size > 0 and (tmp_path / "fig.pdf").stat().st_size > 0
 
 
 def test_error_bounds_bracket_the_error_relative_to_the_full_output(script):
@@ -162,10 +172,10 @@ def test_error_bounds_bracket_the_error_relative_to_the_full_output(script):
 def test_a_target_cell_without_its_choice_table_is_named(script, cells, tmp_path):
     (Path(cells["m-target_0.1"]["dirs"][0]) / "targets.parquet").unlink()
     with pytest.raises(AnalysisError, match="targets.parquet: missing"):
-        script.main(cells, [0.1], 0.05, tmp_path / "out", tmp_path / "fig.png", tmp_path / "fig.pdf")
+        script.main(cells, [0.1], 0.05, tmp_path / "out")
 
 
-def test_a_target_at_another_cap_is_named_by_its_cap_and_drawn_as_its_own_family(script):
+def test_a_target_at_another_cap_is_named_by_its_cap_and_drawn_as_its_own_family(script, figure_script):
     # The study's targets (variant target_<eps>) keep their names; the uncapped cells' targets (budget 1.0) would
     # otherwise share them and be pooled with the capped ones in every table.
     assert script.configuration_name("target_0.1", "poisson", 0.5, 0.1) == "target 0.1"
@@ -176,21 +186,22 @@ def test_a_target_at_another_cap_is_named_by_its_cap_and_drawn_as_its_own_family
                  ("poisson", 1.0, 0.05, np.nan, "uniform"), ("topk", 0.25, np.nan, np.nan, "adakv"),
                  ("topk", 0.25, np.nan, np.nan, "uniform"), ("poisson", 0.5, 0.1, 0.25, "uniform"))]
     assert families == ["target", "clt", "uncapped", "adakv", "fixed", "floored"]
-    assert set(script.TARGET_FAMILIES) <= set(script.FAMILY_COLORS)
+    assert set(figure_script.TARGET_FAMILIES) <= set(figure_script.FAMILY_COLORS)
 
 
-def test_a_floored_target_is_named_by_its_floor_and_kept_apart_from_the_unfloored_one(script, cells, tmp_path):
+def test_a_floored_target_is_named_by_its_floor_and_kept_apart_from_the_unfloored_one(script, figure_script, cells,
+                                                                                     tmp_path):
     # A floored_<eps> cell (target_floor set) at the same eps and cap as a target_<eps> cell: its rows must not be
     # pooled with the unfloored ones in any table. Here the floored cell reads the same tables, so its rows equal
     # the target's row for row under its own name.
     assert script.configuration_name("floored_0.1", "poisson", 0.5, 0.1, 0.25) == "target 0.1 floor 0.25"
     assert script.configuration_name("other_0.1", "poisson", 1.0, 0.1, 0.25) == "target 0.1 floor 0.25 cap 1"
     assert script.configuration_name("target_0.1", "poisson", 0.5, 0.1, np.nan) == "target 0.1"
-    assert script.family("poisson", 0.5, 0.1, 0.25, "uniform") in script.TARGET_FAMILIES
+    assert script.family("poisson", 0.5, 0.1, 0.25, "uniform") in figure_script.TARGET_FAMILIES
     floored = recorded({**cells["m-target_0.1"], "variant": "floored_0.1"}, tmp_path, "floored", target_error=0.1,
                        target_delta=0.05, target_floor=0.25)
     both = {**cells, "m-floored_0.1": floored}
-    script.main(both, [0.1], 0.05, tmp_path / "out", tmp_path / "fig.png", tmp_path / "fig.pdf")
+    script.main(both, [0.1], 0.05, tmp_path / "out")
     summary = pd.read_csv(tmp_path / "out" / "summary.csv").set_index("configuration")
     assert summary.loc["target 0.1", "n_items"] == summary.loc["target 0.1 floor 0.25", "n_items"] == 2
     numbers = ["accuracy", "kept_fraction", "n_step_rows", "coverage_low_0.1", "coverage_high_0.1"]
@@ -349,8 +360,7 @@ def test_a_target_cell_at_the_default_floor_is_named_by_the_floor_of_its_cap(scr
     # rows are named by that floor, apart from an unfloored target's.
     defaulted = recorded(cells["m-target_0.1"], tmp_path, "defaulted", target_error=0.1, target_delta=0.05,
                          target_floor="half_cap")
-    script.main({**cells, "m-target_0.1": defaulted}, [0.1], 0.05, tmp_path / "out", tmp_path / "fig.png",
-                tmp_path / "fig.pdf")
+    script.main({**cells, "m-target_0.1": defaulted}, [0.1], 0.05, tmp_path / "out")
     summary = pd.read_csv(tmp_path / "out" / "summary.csv").set_index("configuration")
     assert "target 0.1 floor 0.25 cap 0.5" in summary.index and "target 0.1" not in summary.index
     assert "clt 0.1" in summary.index  # the same cell's clt rows keep their name
@@ -364,7 +374,7 @@ def test_the_analysis_package_reads_and_scores_what_the_script_tabulates(script,
     frame = pd.read_parquet(target_dir / "steps.parquet").drop(columns=["out_norm"])
     frame.to_parquet(target_dir / "steps.parquet")
     with pytest.raises(AnalysisError, match=r"steps.parquet: missing column\(s\) out_norm"):
-        script.main(cells, [0.1], 0.05, tmp_path / "out", tmp_path / "fig.png", tmp_path / "fig.pdf")
+        script.main(cells, [0.1], 0.05, tmp_path / "out")
     assert len(load_cell_table([target_dir], "steps", ["true_err"])) == 9  # only what the caller names is required
     seeds = pd.DataFrame({"model": "m", "item_id": ["a", "a", "b", "b"], "seed": [0, 1, 0, 1],
                           "correct": [True, False, True, True]})
@@ -429,3 +439,70 @@ def test_the_diagnostics_notebook_writes_the_tables_its_module_computes(cells, t
     for name in names:
         assert (out / f"{name}.csv").read_text() == (tmp_path / "module" / f"{name}.csv").read_text(), name
     assert (out / "flags.png").stat().st_size > 0
+
+
+def test_the_figure_is_drawn_from_the_tables_with_the_families_the_cells_give(script, figure_script, cells,
+                                                                              tmp_path):
+    """Rule certified_budgets_figure reads summary.csv, coverage_by_step.csv and the cells' recorded configs only:
+    each configuration's family from the table's columns and the recorded floor equals the one the cells' reader
+    (kvcert.analysis.certified.load) gives from the parquet tables, for an unfloored, a floored and a default-floored
+    target, clt, the fixed budgets and the full cache; the figure is drawn with no parquet table present."""
+    floored = recorded({**cells["m-target_0.1"], "variant": "floored_0.1"}, tmp_path, "floored", target_error=0.1,
+                       target_delta=0.05, target_floor=0.25)
+    defaulted = recorded({**cells["m-target_0.1"], "variant": "defaulted_0.1"}, tmp_path, "defaulted",
+                         target_error=0.1, target_delta=0.05, target_floor="half_cap")
+    both = {**cells, "m-floored_0.1": floored, "m-defaulted_0.1": defaulted}
+    out = tmp_path / "out"
+    script.main(both, [0.1], 0.05, out)
+    items = script.load(both)[0]
+    from_cells = items.groupby(["model", "configuration"], sort=False)["family"].first().to_dict()
+    summary = pd.read_csv(out / "summary.csv")
+    from_tables = figure_script.families(summary, both).set_index(["model", "configuration"])["family"].to_dict()
+    assert from_tables == from_cells
+    assert sorted(set(from_tables.values())) == ["clt", "fixed", "floored", "full", "target"]
+    for spec in both.values():  # the figure needs no parquet table
+        for table in Path(spec["dirs"][0]).glob("*.parquet"):
+            table.unlink()
+    png, pdf = tmp_path / "fig" / "f.png", tmp_path / "fig" / "f.pdf"
+    figure_script.main(out / "summary.csv", out / "coverage_by_step.csv", both, [0.1], 0.05, png, pdf)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and pdf.read_bytes()[:5] == b"%PDF-"
+    first = png.read_bytes()
+    figure_script.main(out / "summary.csv", out / "coverage_by_step.csv", both, [0.1], 0.05, png, pdf)
+    assert png.read_bytes() == first  # a redraw of the same tables writes the same bytes
+
+    with pytest.raises(AnalysisError, match="names variant 'floored_0.1', which no cell"):
+        figure_script.families(summary, cells)
+    summary.drop(columns=["variant"]).to_csv(tmp_path / "bad.csv", index=False)
+    with pytest.raises(AnalysisError, match=r"bad.csv: no column variant"):
+        figure_script.main(tmp_path / "bad.csv", out / "coverage_by_step.csv", both, [0.1], 0.05, png, pdf)
+    with pytest.raises(AnalysisError, match=r"nothing.csv: missing"):
+        figure_script.main(tmp_path / "nothing.csv", out / "coverage_by_step.csv", both, [0.1], 0.05, png, pdf)
+
+
+def test_make_redraw_draws_the_committed_figure_from_the_committed_tables(tmp_path):
+    """`make redraw`'s Snakemake call (its rules read from the Makefile) on a copy of the floor scale's committed
+    results holding no parquet table: only the figure rule runs, no cell or table is touched, and the figure it draws
+    is the committed one byte for byte (the committed figures are the current code's drawing of the committed
+    tables). Fails where the figure code changes and the committed figures were not redrawn."""
+    scale = "certified-budgets-floor"
+    makefile = (ROOT / "Makefile").read_text()
+    rules = re.search(r"^REDRAW_RULES := (.+)$", makefile, re.M).group(1).split()
+    recipe = re.search(r"^redraw:.*?\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert "--allowed-rules $(REDRAW_RULES) --forcerun $(REDRAW_RULES) -- redraw" in recipe
+    results = ROOT / "results" / scale
+    copied = tmp_path / "results" / scale
+    shutil.copytree(results, copied, ignore=shutil.ignore_patterns("*.parquet", "notebooks"))
+    before = {p: p.read_bytes() for p in copied.rglob("*") if p.is_file()}
+    bin_dir = Path(sys.executable).parent
+    proc = subprocess.run([str(bin_dir / "snakemake"), "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path),
+                           "--cores", "1", "--config", f"scale={scale}", "--allowed-rules", *rules,
+                           "--forcerun", *rules, "--", "redraw"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran = sorted(set(re.findall(r"^rule (\w+):", proc.stderr, re.M)) | set(re.findall(r"^localrule (\w+):",
+                                                                                          proc.stderr, re.M)))
+    assert ran == ["certified_budgets_figure", "redraw"], proc.stderr[-3000:]
+    assert {p: p.read_bytes() for p in copied.rglob("*") if p.is_file()} == before  # no table rewritten
+    drawn = tmp_path / "paper_figures" / scale / "certified-budgets" / "certified-budgets.png"
+    committed = ROOT / "paper_figures" / scale / "certified-budgets" / "certified-budgets.png"
+    assert drawn.read_bytes() == committed.read_bytes(), "the committed figure is not the code's: make redraw"

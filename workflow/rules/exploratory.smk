@@ -84,8 +84,6 @@ rule certified_budgets:
         step_tables=lambda wc: [f"{d}/steps.parquet" for d in cell_dirs(wc.name)],
     output:
         **{table: f"{OUT}/{{name}}/{table}.csv" for table in CERTIFIED_TABLES},
-        png=report(f"{FIG}/{{name}}/{{name}}.png", category="Exploratory"),
-        pdf=f"{FIG}/{{name}}/{{name}}.pdf",
     log:
         f"{OUT}/logs/{{name}}.log",
     wildcard_constraints:
@@ -97,6 +95,27 @@ rule certified_budgets:
         delta=lambda wc: S["exploratory"][wc.name]["delta"],
     script:
         "../scripts/certified_budgets.py"
+
+
+# The figure from the tables (tables -> figures): a committed study's figure is redrawn from its committed tables
+# and its cells' recorded configs, with no cell recomputed (`make redraw SCALE=<name>`).
+rule certified_budgets_figure:
+    input:
+        summary=f"{OUT}/{{name}}/summary.csv",
+        coverage_by_step=f"{OUT}/{{name}}/coverage_by_step.csv",
+        # each cell's manifest, written with its config.yaml (which the figure reads for the floor)
+        manifests=lambda wc: [f"{d}/manifest.json" for d in cell_dirs(wc.name)],
+    output:
+        png=report(f"{FIG}/{{name}}/{{name}}.png", category="Exploratory"),
+        pdf=f"{FIG}/{{name}}/{{name}}.pdf",
+    wildcard_constraints:
+        name="|".join(CERTIFIED_STUDIES) or "no-certified-budgets-study",
+    params:
+        cells=lambda wc: certified_cells(wc.name),
+        epsilons=lambda wc: S["exploratory"][wc.name]["targets"],
+        delta=lambda wc: S["exploratory"][wc.name]["delta"],
+    script:
+        "../scripts/certified_budgets_figure.py"
 
 
 # Exploratory, added after the held-out checks were read (no part of any check): what the per-step certificate
@@ -176,3 +195,14 @@ rule certified_budgets_paired:
         check=lambda wc: dict(S["exploratory"][wc.name]["check"]),
     script:
         "../scripts/heldout_paired.py"
+
+
+# The figures drawn from tables alone (rule certified_budgets_figure): `make redraw SCALE=<name>` remakes them from
+# a scale's committed tables with only these rules allowed, so no cell or table is recomputed.
+localrules:
+    redraw,
+
+
+rule redraw:
+    input:
+        [f"{FIG}/{name}/{name}.{ext}" for name in CERTIFIED_STUDIES for ext in ("png", "pdf")],
