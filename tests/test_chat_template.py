@@ -305,6 +305,8 @@ BEFORE = {
 }
 
 
+# The three tests on these items run in make test-full (marker slow): building the RULER items takes half a minute
+# and kvpress's pipeline runs in the peer environment; the framing itself is checked above on built-in templates.
 @pytest.fixture(scope="module")
 def smollm2_items():
     from kvcert.data import load_items
@@ -317,6 +319,7 @@ def smollm2_items():
     return tok, items
 
 
+@pytest.mark.slow
 @pytest.mark.smollm2
 def test_smollm2_off_gives_the_token_ids_of_every_study_so_far(smollm2_items):
     tok, items = smollm2_items
@@ -331,6 +334,7 @@ def test_smollm2_off_gives_the_token_ids_of_every_study_so_far(smollm2_items):
     assert got == BEFORE
 
 
+@pytest.mark.slow
 @pytest.mark.smollm2
 def test_smollm2_on_frames_its_chatml_turns_and_splits_at_the_context_end(smollm2_items):
     tok, items = smollm2_items
@@ -386,6 +390,7 @@ def test_the_rehearsal_stand_ins_keep_smollm2s_template(tmp_path):
     assert ids(prompt) == ids(build_prompt(tok, CONTEXT, QUESTION, PREFIX, setting="streaming", chat_template=True))
 
 
+@pytest.mark.slow
 @pytest.mark.smollm2
 def test_smollm2_on_gives_kvpress_pipelines_token_ids(smollm2_items, tmp_path):
     """kvpress 0.5.5's pipeline (its own preprocessing, in the peer environment: `make peers`) prefills and

@@ -73,7 +73,8 @@ RTOL, ATOL = 1e-5, 1e-9
 # shorter than its sliding window (512): beyond it, transformers' sliding-window cache hands kvpress only the
 # last 511 keys of a sliding layer, while kvcert keeps every key and masks the ones outside the window.
 CASES = [
-    pytest.param(("smollm2", 40, [(16, 5), (8, 9)]), marks=pytest.mark.smollm2, id="smollm2"),
+    # make test-full (marker slow): kvpress's run in the peer environment takes about a minute of make test's 12
+    pytest.param(("smollm2", 40, [(16, 5), (8, 9)]), marks=[pytest.mark.smollm2, pytest.mark.slow], id="smollm2"),
     pytest.param(("gemma3", 16, [(16, 5)]), marks=pytest.mark.slow, id="gemma3"),
 ]
 # Held out (`make peers-heldout`): the same comparisons on a prompt the cases above do not use (its needles and
@@ -157,7 +158,6 @@ def pooled_window_share(view, window: int, kernel: int) -> np.ndarray:
     return view.group_mean(torch.stack(shares, dim=-1)).numpy()  # (b, q_heads, half) -> (b, kv_heads, half)
 
 
-@pytest.mark.slow  # make test-full: keeps make test near 12 minutes
 def test_snapkv_scores_equal_kvpress(compared):
     model_name, model, ids, settings, peer = compared
     n, layers = ids.shape[-1], model.config.num_hidden_layers
