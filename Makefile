@@ -268,7 +268,7 @@ study: install
 
 ## Redraw a scale's figures from its committed tables (tables -> figures), recomputing no cell or table: only the
 ## rules that read tables alone run (workflow/rules/exploratory.smk, rule redraw). make redraw SCALE=<name>.
-REDRAW_RULES := redraw certified_budgets_figure
+REDRAW_RULES := redraw certified_budgets_figure certificate_flags_figure
 .PHONY: redraw
 redraw: install
 	@test "$(origin SCALE)" != file || { echo "make redraw: SCALE is not set: make redraw SCALE=<name>, one of: $(sort $(basename $(notdir $(wildcard $(SCALES_DIR)/*.yaml))))" >&2; exit 2; }

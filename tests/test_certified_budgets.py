@@ -421,7 +421,8 @@ def test_no_configuration_is_parsed_from_a_name():
 
 def test_the_diagnostics_notebook_writes_the_tables_its_module_computes(cells, tmp_path):
     """The notebook's code cells (workflow/notebooks/certified_diagnostics.py.ipynb), run in-process with the
-    object Snakemake's notebook directive gives them, write exactly the diagnostics module's tables and a figure."""
+    object Snakemake's notebook directive gives them, write exactly the diagnostics module's tables and show the
+    figure that rule certificate_flags_figure draws from the flags table (one panel per model)."""
     import json
     from types import SimpleNamespace
 
@@ -431,14 +432,23 @@ def test_the_diagnostics_notebook_writes_the_tables_its_module_computes(cells, t
     names = ("certificate_flags", "certificate_items", "certificate_heads")
     namespace = {"snakemake": SimpleNamespace(
         params=SimpleNamespace(cells=cells, epsilons=[0.1, 0.05], delta=0.05),
-        output=SimpleNamespace(**{name: str(out / f"{name}.csv") for name in names}, png=str(out / "flags.png")))}
+        output=SimpleNamespace(**{name: str(out / f"{name}.csv") for name in names}))}
     for cell in notebook["cells"]:
         if cell["cell_type"] == "code":
             exec("".join(cell["source"]), namespace)  # noqa: S102 (our own notebook)
     diagnostics(cells, [0.1, 0.05], 0.05, tmp_path / "module")
     for name in names:
         assert (out / f"{name}.csv").read_text() == (tmp_path / "module" / f"{name}.csv").read_text(), name
-    assert (out / "flags.png").stat().st_size > 0
+    assert len(namespace["fig"].axes) == 1  # one model: one panel
+    flags_script = importlib.util.spec_from_file_location("certificate_flags_figure", ROOT / "workflow" / "scripts" /
+                                                          "certificate_flags_figure.py")
+    module = importlib.util.module_from_spec(flags_script)
+    flags_script.loader.exec_module(module)
+    module.main(out / "certificate_flags.csv", 0.05, tmp_path / "flags.png", tmp_path / "flags.pdf")
+    assert (tmp_path / "flags.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pd.read_csv(out / "certificate_flags.csv").drop(columns=["family"]).to_csv(tmp_path / "bad.csv", index=False)
+    with pytest.raises(AnalysisError, match=r"bad.csv: no column family"):
+        module.main(tmp_path / "bad.csv", 0.05, tmp_path / "flags.png", tmp_path / "flags.pdf")
 
 
 def test_the_figure_is_drawn_from_the_tables_with_the_families_the_cells_give(script, figure_script, cells,
@@ -479,7 +489,7 @@ def test_the_figure_is_drawn_from_the_tables_with_the_families_the_cells_give(sc
         figure_script.main(tmp_path / "nothing.csv", out / "coverage_by_step.csv", both, [0.1], 0.05, png, pdf)
 
 
-def test_make_redraw_draws_the_committed_figure_from_the_committed_tables(tmp_path):
+def test_make_redraw_draws_the_committed_figures_from_the_committed_tables(tmp_path):
     """`make redraw`'s Snakemake call (its rules read from the Makefile) on a copy of the floor scale's committed
     results holding no parquet table: only the figure rule runs, no cell or table is touched, and the figure it draws
     is the committed one byte for byte (the committed figures are the current code's drawing of the committed
@@ -501,8 +511,9 @@ def test_make_redraw_draws_the_committed_figure_from_the_committed_tables(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     ran = sorted(set(re.findall(r"^rule (\w+):", proc.stderr, re.M)) | set(re.findall(r"^localrule (\w+):",
                                                                                           proc.stderr, re.M)))
-    assert ran == ["certified_budgets_figure", "redraw"], proc.stderr[-3000:]
+    assert ran == ["certificate_flags_figure", "certified_budgets_figure", "redraw"], proc.stderr[-3000:]
     assert {p: p.read_bytes() for p in copied.rglob("*") if p.is_file()} == before  # no table rewritten
-    drawn = tmp_path / "paper_figures" / scale / "certified-budgets" / "certified-budgets.png"
-    committed = ROOT / "paper_figures" / scale / "certified-budgets" / "certified-budgets.png"
-    assert drawn.read_bytes() == committed.read_bytes(), "the committed figure is not the code's: make redraw"
+    for figure in ("certified-budgets.png", "certificate_flags.png"):
+        drawn = tmp_path / "paper_figures" / scale / "certified-budgets" / figure
+        committed = ROOT / "paper_figures" / scale / "certified-budgets" / figure
+        assert drawn.read_bytes() == committed.read_bytes(), f"{figure}: not the code's drawing: make redraw"

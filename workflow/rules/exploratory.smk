@@ -24,7 +24,8 @@ EXPLORATORY_OUTPUTS = [
       for path in (*(f"{OUT}/{name}/{table}.csv" for table in CERTIFIED_TABLES),
                    f"{FIG}/{name}/{name}.png", f"{FIG}/{name}/{name}.pdf",
                    *(f"{OUT}/{name}/{table}.csv" for table in DIAGNOSTIC_TABLES),
-                   f"{FIG}/{name}/certificate_flags.png", f"{OUT}/{name}/notebooks/certified_diagnostics.ipynb")),
+                   f"{FIG}/{name}/certificate_flags.png", f"{FIG}/{name}/certificate_flags.pdf",
+                   f"{OUT}/{name}/notebooks/certified_diagnostics.ipynb")),
     *(f"{OUT}/{name}/{table}.csv" for name in CHECKED_STUDIES for table in ("check", "decisions")),
     *(f"{OUT}/{name}/paired.csv" for name in CHECKED_STUDIES),
     *(f"{OUT}/{name}/accuracy.csv" for name in ACCURACY_STUDIES),
@@ -126,7 +127,6 @@ rule notebook_certified_diagnostics:
         step_tables=lambda wc: [f"{d}/steps.parquet" for d in cell_dirs(wc.name)],
     output:
         **{table: f"{OUT}/{{name}}/{table}.csv" for table in DIAGNOSTIC_TABLES},
-        png=f"{FIG}/{{name}}/certificate_flags.png",
     log:
         notebook=f"{OUT}/logs/notebooks/certified_diagnostics-{{name}}.ipynb",
     wildcard_constraints:
@@ -152,8 +152,7 @@ rule publish_certified_diagnostics:
         rule="notebook_certified_diagnostics",
         inputs=lambda wc: {"item_tables": [f"{d}/items.parquet" for d in cell_dirs(wc.name)],
                            "step_tables": [f"{d}/steps.parquet" for d in cell_dirs(wc.name)]},
-        outputs=lambda wc: [*(f"{OUT}/{wc.name}/{table}.csv" for table in DIAGNOSTIC_TABLES),
-                            f"{FIG}/{wc.name}/certificate_flags.png"],
+        outputs=lambda wc: [f"{OUT}/{wc.name}/{table}.csv" for table in DIAGNOSTIC_TABLES],
     script:
         "../scripts/publish_notebook.py"
 
@@ -197,7 +196,23 @@ rule certified_budgets_paired:
         "../scripts/heldout_paired.py"
 
 
-# The figures drawn from tables alone (rule certified_budgets_figure): `make redraw SCALE=<name>` remakes them from
+# The diagnostics' figure from its table (kvcert.analysis.certificate_diagnostics.flags_figure, which the notebook
+# shows): redrawn from a committed scale's certificate_flags.csv by `make redraw`, as the study's figure.
+rule certificate_flags_figure:
+    input:
+        flags=f"{OUT}/{{name}}/certificate_flags.csv",
+    output:
+        png=f"{FIG}/{{name}}/certificate_flags.png",
+        pdf=f"{FIG}/{{name}}/certificate_flags.pdf",
+    wildcard_constraints:
+        name="|".join(CERTIFIED_STUDIES) or "no-certified-budgets-study",
+    params:
+        delta=lambda wc: S["exploratory"][wc.name]["delta"],
+    script:
+        "../scripts/certificate_flags_figure.py"
+
+
+# The figures drawn from tables alone (rules certified_budgets_figure, certificate_flags_figure): `make redraw SCALE=<name>` remakes them from
 # a scale's committed tables with only these rules allowed, so no cell or table is recomputed.
 localrules:
     redraw,
@@ -205,4 +220,5 @@ localrules:
 
 rule redraw:
     input:
-        [f"{FIG}/{name}/{name}.{ext}" for name in CERTIFIED_STUDIES for ext in ("png", "pdf")],
+        [f"{FIG}/{name}/{stem}.{ext}" for name in CERTIFIED_STUDIES for stem in (name, "certificate_flags")
+         for ext in ("png", "pdf")],

@@ -141,3 +141,31 @@ def certificate_heads(choices: pd.DataFrame, steps: pd.DataFrame, epsilons: list
     if not frames:
         return pd.DataFrame(columns=HEAD_COLUMNS)
     return pd.concat(frames, ignore_index=True)[HEAD_COLUMNS]
+
+
+def flags_figure(flags: pd.DataFrame, delta: float):
+    """Per model (columns): the decode rows possibly above ε (x) against those of them the certificate left
+    unflagged (y), one point per configuration and ε over every layer (``certificate_flags``' rows with ``layer`` =
+    all; a target as a star); y = x is a certificate that flags nothing, y = δ (dotted) what a certificate at level
+    δ allows. Returns the matplotlib Figure (the notebook shows it; rule certificate_flags_figure writes it)."""
+    import matplotlib.pyplot as plt
+
+    overall = flags[flags["layer"].astype(str) == "all"]
+    models = list(dict.fromkeys(overall["model"]))
+    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(4.8 * max(1, len(models)), 3.4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        m = overall[overall["model"] == model]
+        for family, g in m.groupby("family", sort=False):
+            ax.plot(g["above_high"], g["silent_high"], marker="*" if g["sizing"].iloc[0] == "target" else "o",
+                    ls="none", label=family, alpha=0.85)
+        ax.axline((0, 0), slope=1, color="0.5", lw=0.8, ls="-.")
+        ax.axhline(delta, color="black", lw=0.8, ls=":")
+        ax.set_xlim(left=0)
+        ax.set_ylim(0, max(1.5 * delta, 1.2 * float(m["silent_high"].max())) if len(m) else 1.5 * delta)
+        ax.set_title(model)
+        ax.set_xlabel("decode rows possibly above eps")
+    axes[0, 0].set_ylabel("rows above eps, certificate silent")
+    axes[0, -1].legend(fontsize=7, frameon=False)
+    fig.suptitle("Exploratory: what the certificate flagged")
+    fig.tight_layout()
+    return fig
