@@ -212,12 +212,9 @@ rule certificate_flags_figure:
         "../scripts/certificate_flags_figure.py"
 
 
-# The figures drawn from tables alone (rules certified_budgets_figure, certificate_flags_figure): `make redraw SCALE=<name>` remakes them from
-# a scale's committed tables with only these rules allowed, so no cell or table is recomputed.
-localrules:
-    redraw,
-
-
+# The figures drawn from tables alone (rules certified_budgets_figure, certificate_flags_figure): `make redraw
+# SCALE=<name>` remakes them from a scale's committed tables with only these rules allowed, so no cell or table is
+# recomputed. A target rule, as `all`: it runs nothing itself.
 rule redraw:
     input:
         [f"{FIG}/{name}/{stem}.{ext}" for name in CERTIFIED_STUDIES for stem in (name, "certificate_flags")
