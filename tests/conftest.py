@@ -7,10 +7,14 @@ Shared once per session, because building them is the suite's most repeated cost
   own copy deep-copies it).
 * ``scale_dag``: the jobs per rule of a scale's DAG, from one ``snakemake --dry-run --forceall --quiet rules``
   per scale and session (``kvcert.plan.plan_jobs``, the same dry run kvcert-plan reads).
+* ``fresh_dry_run``: what ``snakemake --dry-run`` of a scale into a fresh output folder
+  (``results/dryrun-<scale>``, which no test creates) prints, jobs and job stats, once per scale and session.
 """
 
 import functools
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +42,19 @@ def scale_dag():
 
     built = functools.lru_cache(maxsize=None)(lambda name: plan_jobs(name, ROOT))
     return lambda name: dict(built(name))
+
+
+@pytest.fixture(scope="session")
+def fresh_dry_run():
+    """fresh_dry_run(name) -> the CompletedProcess of ``snakemake -n --config scale=<name>
+    outdir=results/dryrun-<name>`` run in the repository (nothing exists there, so every job is listed with its
+    paths), once per scale and session."""
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+    @functools.lru_cache(maxsize=None)
+    def run(name):
+        return subprocess.run([str(bin_dir / "snakemake"), "-n", "--config", f"scale={name}",
+                               f"outdir=results/dryrun-{name}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)
+    return run

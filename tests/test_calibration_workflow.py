@@ -78,10 +78,8 @@ def test_a_cell_without_tables_is_one_line(cells, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_the_default_scale_schedules_the_rule():
-    snakemake = Path(sys.executable).with_name("snakemake")
-    proc = subprocess.run([str(snakemake), "-n", "--config", "scale=default", "outdir=results/dryrun-calibration"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+def test_the_default_scale_schedules_the_rule(fresh_dry_run):
+    proc = fresh_dry_run("default")  # the default scale's dry run, shared with test_scales.py (conftest.py)
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = proc.stdout + proc.stderr
     assert "rule calibration_by_layer" in text or "calibration_by_layer" in text
@@ -91,5 +89,5 @@ def test_the_default_scale_schedules_the_rule():
     scale = studies(load_scale("default", scales_folder(ROOT)))
     assert [s for s, spec in scale.items() if not spec["archived"]] == [current_study(scales_folder(ROOT))]
     for study, spec in scale.items():
-        table = f"results/dryrun-calibration/{study}/calibration/by_layer.csv"
+        table = f"results/dryrun-default/{study}/calibration/by_layer.csv"
         assert (table in text) == (not spec["archived"]), table

@@ -3,11 +3,8 @@ kvcert-plan and the derivation expand a scale the same way."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,8 +30,6 @@ from kvcert.scales import (
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALES = scales_folder(ROOT)
-BIN = Path(sys.executable).parent
-ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
 def _keys(overrides: list[str]) -> list[str]:
@@ -261,12 +256,11 @@ def test_longbench_cells_read_the_fetched_copy_unless_they_have_a_path():
 # test_dry_run_is_clean checks every scale's forced DAG against its expansion in make test).
 @pytest.mark.parametrize("scale", ["smoke", "default", *(pytest.param(name, marks=pytest.mark.slow) for name in
                                                         ("paper", "rehearse", "sensitivity", "certified-budgets"))])
-def test_the_dag_runs_the_jobs_the_expansion_lists(scale, scale_dag):
-    proc = subprocess.run([str(BIN / "snakemake"), "-n", "--quiet", "rules", "--config", f"scale={scale}",
-                           f"outdir=results/dryrun-{scale}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=300)
+def test_the_dag_runs_the_jobs_the_expansion_lists(scale, scale_dag, fresh_dry_run):
+    proc = fresh_dry_run(scale)  # shared with test_calibration_workflow's default-scale test (conftest.py)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", proc.stdout + proc.stderr, flags=re.M))
+    stats = (proc.stdout + proc.stderr).split("Job stats:", 1)[-1].split("\ntotal", 1)[0]
+    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", stats, flags=re.M))
     loaded = load_scale(scale, SCALES)
     assert int(counts["cell"]) == len(shard_list(study_cells(loaded)))
     computed = [name for name, st in studies(loaded).items() if not st["archived"]]
