@@ -90,7 +90,24 @@ def _claim_json(results, fields):
     path = results / study / "claims" / f"{claim}.json"
     if not path.is_file():
         raise DocError(f"{path}: no such claim")
-    return [_flat(json.loads(path.read_text()))]
+    return [dict(_flat_file(str(path), *_stamp(path)))]
+
+
+def _stamp(path):
+    """(mtime_ns, size) of ``path``: part of _flat_file's cache key, so a rewritten file is read again."""
+    stat = Path(path).stat()
+    return stat.st_mtime_ns, stat.st_size
+
+
+@lru_cache(maxsize=None)  # a page's spans read the same few JSON and YAML files hundreds of times
+def _flat_file(path, mtime_ns, size):
+    """A JSON (.json) or YAML file flattened to one row (``_flat``), read once per version of the file."""
+    text = Path(path).read_text()
+    if path.endswith(".json"):
+        return _flat(json.loads(text))
+    import yaml
+
+    return _flat(yaml.safe_load(text))
 
 
 def _flat(document):
@@ -158,13 +175,11 @@ def _cells(results, fields):
 def _yaml(results, fields):
     """A committed YAML file (``file=``, relative to the repository: the folder above ``results``) flattened to
     one row like a claim JSON (a pilot, power or design output of a pre-registration)."""
-    import yaml
-
     name = fields.pop("file", None)
     path = results.resolve().parent / str(name)
     if not name or not path.is_file():
         raise DocError(f"yaml: no such file {name!r} (file= is relative to the repository)")
-    return [_flat(yaml.safe_load(path.read_text()))]
+    return [dict(_flat_file(str(path), *_stamp(path)))]
 
 
 def _table(results, fields):
