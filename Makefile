@@ -142,7 +142,8 @@ test: install model peers
 	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "$(TEST_MARKERS)" --durations=25
 
 ## The end-to-end tier CI runs after make test (marker slow): the smoke DAG, the held-out calibration check, the
-## planted mutations (tests/mutations.yaml), the peer comparison on Gemma 3, resumed and interrupted DAGs.
+## planted mutations (tests/mutations.yaml), the peer comparisons with kvpress (SmolLM2 and Gemma 3), resumed and
+## interrupted DAGs, and the further dry runs of scales whose shape make test already covers.
 .PHONY: test-full
 test-full: install model peers
 	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "$(TEST_FULL_MARKERS)" --durations=25
