@@ -26,22 +26,22 @@ from kvcert.scales import scales_folder
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("certified_budgets", ROOT / "workflow" / "scripts" /
-                                                  "certified_budgets.py")
+def _workflow_script(name: str):
+    """workflow/scripts/<name>.py as a module (Snakemake runs it as a script; its functions are tested here)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "workflow" / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def script():
+    return _workflow_script("certified_budgets")
 
 
 @pytest.fixture(scope="module")
 def figure_script():
-    spec = importlib.util.spec_from_file_location("certified_budgets_figure", ROOT / "workflow" / "scripts" /
-                                                  "certified_budgets_figure.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _workflow_script("certified_budgets_figure")
 
 
 KEYS = dict(seed=0, setting="question_aware")
@@ -440,10 +440,7 @@ def test_the_diagnostics_notebook_writes_the_tables_its_module_computes(cells, t
     for name in names:
         assert (out / f"{name}.csv").read_text() == (tmp_path / "module" / f"{name}.csv").read_text(), name
     assert len(namespace["fig"].axes) == 1  # one model: one panel
-    flags_script = importlib.util.spec_from_file_location("certificate_flags_figure", ROOT / "workflow" / "scripts" /
-                                                          "certificate_flags_figure.py")
-    module = importlib.util.module_from_spec(flags_script)
-    flags_script.loader.exec_module(module)
+    module = _workflow_script("certificate_flags_figure")
     module.main(out / "certificate_flags.csv", 0.05, tmp_path / "flags.png", tmp_path / "flags.pdf")
     assert (tmp_path / "flags.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     pd.read_csv(out / "certificate_flags.csv").drop(columns=["family"]).to_csv(tmp_path / "bad.csv", index=False)

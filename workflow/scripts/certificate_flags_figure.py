@@ -10,23 +10,15 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import pandas as pd  # noqa: E402
-
 from kvcert.analysis.certificate_diagnostics import flags_figure  # noqa: E402
-from kvcert.analysis.errors import AnalysisError  # noqa: E402
+from kvcert.analysis.exploratory import read_study_table  # noqa: E402
 from kvcert.analysis.figures import save_figure  # noqa: E402
 
 COLUMNS = ["model", "sizing", "family", "layer", "above_high", "silent_high"]
 
 
 def main(flags_csv: Path, delta: float, png: Path, pdf: Path) -> None:
-    flags_csv = Path(flags_csv)
-    if not flags_csv.is_file():
-        raise AnalysisError(f"{flags_csv}: missing (the diagnostics notebook writes it)")
-    flags = pd.read_csv(flags_csv)
-    missing = [c for c in COLUMNS if c not in flags.columns]
-    if missing:
-        raise AnalysisError(f"{flags_csv}: no column {', '.join(missing)}")
+    flags = read_study_table(flags_csv, COLUMNS, "the diagnostics notebook")
     save_figure(flags_figure(flags, delta), png, pdf)
 
 

@@ -16,6 +16,7 @@ import pandas as pd  # noqa: E402
 
 from kvcert.analysis.certified import family, recorded_config  # noqa: E402
 from kvcert.analysis.errors import AnalysisError  # noqa: E402
+from kvcert.analysis.exploratory import read_study_table  # noqa: E402
 from kvcert.analysis.figures import save_figure  # noqa: E402
 from kvcert.run_schema import FLOOR_SHARE_OF_CAP, HALF_CAP  # noqa: E402
 
@@ -161,23 +162,13 @@ def figure(summary: pd.DataFrame, by_step: pd.DataFrame, epsilons: list[float], 
     save_figure(fig, png, pdf)
 
 
-def read_table(path: Path, columns: list[str]) -> pd.DataFrame:
-    """A study table, refused with one line naming the file where it is missing or lacks a column."""
-    path = Path(path)
-    if not path.is_file():
-        raise AnalysisError(f"{path}: missing (rule certified_budgets writes it)")
-    table = pd.read_csv(path)
-    missing = [c for c in columns if c not in table.columns]
-    if missing:
-        raise AnalysisError(f"{path}: no column {', '.join(missing)}")
-    return table
-
-
 def main(summary_csv: Path, by_step_csv: Path, cells: dict, epsilons: list[float], delta: float, png: Path,
          pdf: Path) -> None:
-    summary = read_table(summary_csv, ["model", "configuration", "variant", "allocator", "design", "budget",
-                                       "target_error", "accuracy", "kept_bytes_fraction", "rel_err_p95"])
-    by_step = read_table(by_step_csv, ["model", "configuration", "epsilon", "step", "coverage_low"])
+    summary = read_study_table(summary_csv, ["model", "configuration", "variant", "allocator", "design", "budget",
+                                             "target_error", "accuracy", "kept_bytes_fraction", "rel_err_p95"],
+                               "rule certified_budgets")
+    by_step = read_study_table(by_step_csv, ["model", "configuration", "epsilon", "step", "coverage_low"],
+                               "rule certified_budgets")
     family_of = families(summary, cells)
     figure(with_family(summary, family_of), with_family(by_step, family_of), epsilons, delta, png, pdf)
 

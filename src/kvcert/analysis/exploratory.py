@@ -38,3 +38,16 @@ def load_cell_table(cell_dirs: Sequence[str | Path], table: str, required: Seque
     if "budget" in out.columns:
         out["budget"] = out["budget"].astype(float)
     return out
+
+
+def read_study_table(path: str | Path, required: Sequence[str], made_by: str) -> pd.DataFrame:
+    """A study's CSV table (an exploratory figure's input), checking that the ``required`` columns exist.
+    Raises AnalysisError naming the file where it is missing (``made_by``: what writes it) or lacks a column."""
+    path = Path(path)
+    if not path.is_file():
+        raise AnalysisError(f"{path}: missing ({made_by} writes it)")
+    table = pd.read_csv(path)
+    missing = [c for c in required if c not in table.columns]
+    if missing:
+        raise AnalysisError(f"{path}: no column {', '.join(missing)}")
+    return table
