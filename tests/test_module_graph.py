@@ -154,3 +154,23 @@ def test_the_graph_reader_sees_lazy_and_relative_imports():
     assert "kvcert.cache" in GRAPH["kvcert.attention"]
     assert "kvcert.runner.cell" in GRAPH["kvcert.runner.cli"]  # imported inside main()
     assert "kvcert.policies.h2o" in GRAPH["kvcert.policies"]
+
+
+@pytest.mark.slow
+def test_the_run_configs_walk_stays_under_issue_40s_count():
+    """benchmarks/config_walk.py on a real target cell (SmolLM2, certified-budgets' target_0.1, one item): the run
+    config, followed from run_cell, enters fewer than 13 units and climbs back to a higher layer fewer than 12 times
+    (issue 40's count before one config object went below run_cell). The walk must reach the units a target cell
+    cannot run without, so a tracer that sees nothing fails too."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("config_walk", PACKAGE.parents[1] / "benchmarks" / "config_walk.py")
+    walk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(walk)
+    result = walk.measure(walk.cell_overrides())
+    rooms = set(result["layers"])
+    assert {"kvcert.runner", "kvcert.generation", "kvcert.targets", "kvcert.models", "kvcert.data"} <= rooms, rooms
+    assert result["rooms"] < 13 and result["n_climbs"] < 12, result
+    for climb in result["climbs"]:  # every climb goes up a declared layer
+        low, high = climb.split(" -> ")
+        assert LAYERS[high] > LAYERS[low], climb
