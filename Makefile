@@ -143,7 +143,9 @@ test: install model peers
 
 ## The end-to-end tier CI runs after make test (marker slow): the smoke DAG, the held-out calibration check, the
 ## planted mutations (tests/mutations.yaml), the peer comparisons with kvpress (SmolLM2 and Gemma 3), resumed and
-## interrupted DAGs, and the further dry runs of scales whose shape make test already covers.
+## interrupted DAGs, the further dry runs of scales whose shape make test already covers (the paper scale's
+## through the SLURM profile among them), version 5's claims on synthetic cells, redraws and reruns of a workflow
+## script over the same cells, and the mutation list's tier check.
 .PHONY: test-full
 test-full: install model peers
 	KVCERT_PEER_PYTHON="$(abspath $(PEER_VENV))/bin/python" PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "$(TEST_FULL_MARKERS)" --durations=25

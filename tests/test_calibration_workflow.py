@@ -44,6 +44,7 @@ def _run(cells, out: Path) -> subprocess.CompletedProcess:
                            "--figure", str(out / "calibration_by_layer.png")], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # make test-full: two more runs of the rule's script over the same cells
 def test_table_and_figure_from_real_cells_are_reproducible(cells, tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
     for out in (first, second):

@@ -486,6 +486,7 @@ def test_the_figure_is_drawn_from_the_tables_with_the_families_the_cells_give(sc
         figure_script.main(tmp_path / "nothing.csv", out / "coverage_by_step.csv", both, [0.1], 0.05, png, pdf)
 
 
+@pytest.mark.slow  # make test-full: a Snakemake run over a copy of the floor scale's committed results
 def test_make_redraw_draws_the_committed_figures_from_the_committed_tables(tmp_path):
     """`make redraw`'s Snakemake call (its rules read from the Makefile) on a copy of the floor scale's committed
     results holding no parquet table: only the figure rule runs, no cell or table is touched, and the figure it draws

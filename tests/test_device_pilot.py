@@ -231,6 +231,7 @@ def _dry_run(out: Path):
                           text=True, timeout=300)
 
 
+@pytest.mark.slow  # make test-full: a Snakemake dry run of a scale with a measured plan
 def test_rule_cell_takes_runtime_memory_and_constraint_from_the_plan(tmp_path):
     from kvcert.scales import load_scale, study_cells
 

@@ -86,6 +86,7 @@ def test_every_mutation_names_a_snippet_present_once_and_tests_that_exist():
             "certificate-delta", "variance-without-one-minus-pi", "poisson-tail-target", "allocator-rounding"} <= ids
 
 
+@pytest.mark.slow  # make test-full, which CI runs: it collects the whole suite twice
 def test_every_listed_test_runs_in_make_test_or_make_test_full(tmp_path):
     nodes = sorted({node for m in MUTATIONS for node in m["tests"]})
     collected = _markers(nodes, tmp_path)
