@@ -162,12 +162,10 @@ def test_the_run_configs_walk_stays_under_issue_40s_count():
     config, followed from run_cell, enters fewer than 13 units and climbs back to a higher layer fewer than 12 times
     (issue 40's count before one config object went below run_cell). The walk must reach the units a target cell
     cannot run without, so a tracer that sees nothing fails too."""
-    import importlib.util
+    from helpers.scripts import ROOT, load_module
 
-    spec = importlib.util.spec_from_file_location("config_walk", PACKAGE.parents[1] / "benchmarks" / "config_walk.py")
-    walk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(walk)
-    result = walk.measure(walk.cell_overrides())
+    walk = load_module(ROOT / "benchmarks" / "config_walk.py", "config_walk")
+    result = walk.measure(walk.cell_overrides(), layer=LAYERS)
     rooms = set(result["layers"])
     assert {"kvcert.runner", "kvcert.generation", "kvcert.targets", "kvcert.models", "kvcert.data"} <= rooms, rooms
     assert result["rooms"] < 13 and result["n_climbs"] < 12, result

@@ -88,10 +88,10 @@ def _resources_by_rule(output: str) -> dict[str, list[dict[str, str]]]:
 SITE = {"KVCERT_SLURM_ACCOUNT": "acct1", "KVCERT_SLURM_PARTITION": "cpu1", "KVCERT_SLURM_GPU_PARTITION": "gpu1"}
 
 
-# A paper-scale dry run each, all three in make test-full (make test resolves the profile on the smoke scale:
+# A paper-scale dry run each, so make test-full (make test resolves the profile on the smoke scale:
 # test_partition_and_account_fall_back_to_sbatch_variables).
-@pytest.mark.parametrize("gpus", [pytest.param("2", marks=pytest.mark.slow), pytest.param("0", marks=pytest.mark.slow),
-                                  pytest.param(None, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("gpus", ["2", "0", None])
 def test_the_profile_resolves_site_settings_and_gpus_per_cell(gpus):
     env = dict(SITE, **({"KVCERT_SLURM_CELL_GPUS": gpus} if gpus is not None else {}))
     proc = _snakemake("-n", "--workflow-profile", str(PROFILES / "slurm"), "--config", "scale=paper",
