@@ -200,14 +200,13 @@ def cell_overrides() -> list[str]:
     return ["model=smollm2", *overrides, "n_items=1", "threads=2", "progress=false"]
 
 
-def measure(overrides: list[str], values: bool = False, layer: dict[str, int] | None = None) -> dict:
-    """Run the cell under the hook; returns the units' layers, the walk's moves, its rooms and climbs. ``layer``:
-    the declared layers when the caller has them (tests/test_module_graph.py), else read from that file."""
+def measure(overrides: list[str], values: bool = False) -> dict:
+    """Run the cell under the hook; returns the units' layers, the walk's moves, its rooms and climbs."""
     from kvcert.hydra_app import compose
     from kvcert.runner.cell import run_cell
 
     package = package_dir()
-    layer = layer if layer is not None else declared_layers(package)
+    layer = declared_layers(package)
     walk = Walk(package, layer, values)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose([*overrides, f"out_dir={tmp}/cell"])

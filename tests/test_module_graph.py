@@ -162,10 +162,18 @@ def test_the_run_configs_walk_stays_under_issue_40s_count():
     config, followed from run_cell, enters fewer than 13 units and climbs back to a higher layer fewer than 12 times
     (issue 40's count before one config object went below run_cell). The walk must reach the units a target cell
     cannot run without, so a tracer that sees nothing fails too."""
-    from helpers.scripts import ROOT, load_module
+    import json
+    import subprocess
+    import sys
 
-    walk = load_module(ROOT / "benchmarks" / "config_walk.py", "config_walk")
-    result = walk.measure(walk.cell_overrides(), layer=LAYERS)
+    from helpers.scripts import ROOT
+
+    # Its own process: the traced cell sets torch's threads and runs a whole cell, which must leave nothing behind
+    # in the session that later tests share (a CI run of test-full saw the next module's Gemma 3 prefill corrupted).
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "config_walk.py"), "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout[proc.stdout.index("{"):])
     rooms = set(result["layers"])
     assert {"kvcert.runner", "kvcert.generation", "kvcert.targets", "kvcert.models", "kvcert.data"} <= rooms, rooms
     assert result["rooms"] < 13 and result["n_climbs"] < 12, result
